@@ -1,0 +1,133 @@
+"""Helpers shared by the GPU bench scripts: environment header, timing, JSON output and tables."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def git_commit() -> str:
+    try:
+        completed = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return completed.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What a reader needs to reproduce or compare a result."""
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        card = properties.name
+        card_memory_gib = round(properties.total_memory / 2**30, 1)
+    else:
+        card = platform.processor() or platform.machine()
+        card_memory_gib = None
+    try:
+        import pipecomm
+
+        pipecomm_build = pipecomm.build_info()
+    except Exception as error:  # the header must still print when the extension is broken
+        pipecomm_build = {"error": repr(error)}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device),
+        "card": card,
+        "card_memory_gib": card_memory_gib,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "git_commit": git_commit(),
+        "python": platform.python_version(),
+        "pipecomm": pipecomm_build,
+    }
+
+
+def print_environment(env: Mapping[str, Any]) -> None:
+    for key, value in env.items():
+        print(f"# {key}: {value}")
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 5, iters: int = 20) -> float:
+    """Median milliseconds of fn(), each call timed by its own pair of CUDA events."""
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    torch.cuda.synchronize()
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
+
+
+def time_host(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> float:
+    """Median wall-clock milliseconds of fn(); the fallback for smoke runs on CPU."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def time_on(device: torch.device, fn: Callable[[], object], warmup: int, iters: int) -> float:
+    if device.type == "cuda":
+        return time_cuda(fn, warmup=warmup, iters=iters)
+    return time_host(fn, warmup=min(warmup, 2), iters=min(iters, 5))
+
+
+def gb_per_s(nbytes: int, milliseconds: float) -> float:
+    return nbytes / (milliseconds * 1e-3) / 1e9
+
+
+def write_json(path: str | Path, payload: Mapping[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def format_cell(value: object) -> str:
+    if isinstance(value, float):
+        if value == 0 or 0.01 <= abs(value) < 1e5:
+            return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+        return f"{value:.3g}"
+    return "" if value is None else str(value)
+
+
+def print_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str]) -> None:
+    """Plain-text table: text columns left-aligned, numbers right-aligned."""
+    cells = [[format_cell(row.get(column)) for column in columns] for row in rows]
+    widths = [max([len(column)] + [len(line[i]) for line in cells]) for i, column in enumerate(columns)]
+    numeric = [all(isinstance(row.get(column), (int, float)) or row.get(column) is None for row in rows)
+               for column in columns]
+
+    def render(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if is_num else v.ljust(w) for v, w, is_num in zip(values, widths, numeric)).rstrip()
+
+    print(render(list(columns)))
+    print("  ".join("-" * width for width in widths))
+    for line in cells:
+        print(render(line))

@@ -1,0 +1,25 @@
+"""pipecomm: pipeline-parallel training for PyTorch with fused stage-boundary transport."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+import torch  # noqa: F401  (loads libtorch before the extension that links it)
+
+from pipecomm import _C
+from pipecomm._ops import accumulate_, pack, packed_nbytes, unpack_
+
+try:
+    __version__ = version("pipecomm")
+except PackageNotFoundError:  # running from a source tree that was built in place, not installed
+    __version__ = "0.0.0+local"
+
+__all__ = ["accumulate_", "build_info", "cuda_built", "pack", "packed_nbytes", "unpack_"]
+
+
+def build_info() -> dict:
+    """What the native extension was compiled with: pipecomm, torch and CUDA versions."""
+    return {"version": __version__, **_C.build_info()}
+
+
+def cuda_built() -> bool:
+    """Whether the CUDA kernels were compiled in (not whether a GPU is visible now)."""
+    return bool(_C.build_info()["cuda"])

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs what building and testing pipecomm needs, only what is missing: a GPU machine keeps its torch.
+set -euo pipefail
+python=${PYTHON:-python3}
+
+missing=()
+# torch==2.13.0 is the CPU wheel on this project's machines; a bare "torch" would pull a CUDA build.
+"$python" -c "import torch" 2>/dev/null || missing+=("torch==2.13.0")
+"$python" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" 2>/dev/null \
+  || missing+=("setuptools>=64")
+for module_and_package in wheel:wheel pytest:pytest pytest_benchmark:pytest-benchmark; do
+  "$python" -c "import ${module_and_package%%:*}" 2>/dev/null || missing+=("${module_and_package#*:}")
+done
+command -v ninja >/dev/null || missing+=(ninja)
+command -v cmake >/dev/null || missing+=(cmake)
+
+if ((${#missing[@]})); then
+  echo "bootstrap: installing ${missing[*]}"
+  "$python" -m pip install --quiet "${missing[@]}"
+fi
