@@ -80,7 +80,7 @@ __global__ __launch_bounds__(kThreads) void accumulate_kernel(const int64_t* __r
   for (int64_t chunk = blockIdx.x; chunk < total_chunks; chunk += gridDim.x) {
     const int64_t owner = chunk_owner(prefix, num_tensors, chunk);
     const int64_t start = (chunk - prefix[owner]) * kChunkElements;
-    const int64_t count = min(kChunkElements, numels[owner] - start);
+    const int64_t count = smaller(kChunkElements, numels[owner] - start);
     acc_t* acc = reinterpret_cast<acc_t*>(acc_addresses[owner]) + start;
     const grad_t* grad = reinterpret_cast<const grad_t*>(grad_addresses[owner]) + start;
     if (is_aligned(acc, sizeof(Vec<acc_t>)) && is_aligned(grad, sizeof(Vec<grad_t>))) {

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -26,6 +27,8 @@ inline int64_t persistent_grid(int64_t total_chunks, int64_t blocks_per_sm) {
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return std::min(total_chunks, sms * blocks_per_sm);
 }
+
+__device__ __forceinline__ int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }
 
 template <typename T>
 __device__ __forceinline__ bool is_aligned(const T* pointer, size_t alignment) {

@@ -44,7 +44,7 @@ __global__ __launch_bounds__(kThreads) void copy_segments_kernel(const int64_t* 
     auto* target = reinterpret_cast<uint8_t*>(target_addresses[owner]);
     const int64_t readable = read_bytes[owner];
     const int64_t start = (chunk - prefix[owner]) * kChunkBytes;
-    const int64_t end = min(start + kChunkBytes, write_bytes[owner]);
+    const int64_t end = smaller(start + kChunkBytes, write_bytes[owner]);
     int64_t scalar_start = start;
     if (is_aligned(source, kWordBytes) && is_aligned(target, kWordBytes)) {
       const int64_t first_word = start / kWordBytes;

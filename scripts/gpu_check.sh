@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One device-machine session: build with CUDA, run the CUDA test twins and the GPU benches, log to $OUT.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/pipecomm-gpu}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c "import torch, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'pytest', pytest.__version__)"
+if ! PIPECOMM_USE_CUDA=1 MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1; then
+  grep -E "error|Error" "$out/build.log" | head -40
+  exit 1
+fi
+python3 -c "import pipecomm; print(pipecomm.build_info())"
+python3 -m pytest tests -q -k cuda -p no:cacheprovider 2>&1 | tail -25 | tee "$out/pytest.txt"
+for bench in "$@"; do
+  name=$(basename "${bench%% *}" .py)
+  python3 bench/$bench --json "$out/$name.json" 2>"$out/$name.err" | tee "$out/$name.txt"
+done
