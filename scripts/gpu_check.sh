@@ -2,6 +2,9 @@
 # One device-machine session: build with CUDA, run the CUDA test twins and the GPU benches, log to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+# The image's Python was configured with /opt/gcc, whose g++ links libstdc++ statically; an extension
+# so linked crashes formatting error messages next to torch's shared libstdc++. Use the system g++.
+export CC=gcc CXX=g++ LDSHARED="g++ -shared"
 out=${OUT:-/tmp/pipecomm-gpu}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
@@ -11,7 +14,11 @@ if ! PIPECOMM_USE_CUDA=1 MAX_JOBS=16 python3 -m pip install --no-build-isolation
   exit 1
 fi
 python3 -c "import pipecomm; print(pipecomm.build_info())"
-python3 -m pytest tests -q -k cuda -p no:cacheprovider 2>&1 | tail -25 | tee "$out/pytest.txt"
+python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tail -25 | tee "$out/pytest.txt"
+cmake -S . -B build/native -G Ninja -DCMAKE_BUILD_TYPE=Release >"$out/native.log" 2>&1 \
+  && cmake --build build/native >>"$out/native.log" 2>&1 \
+  && ctest --test-dir build/native --output-on-failure 2>&1 | tail -6 | tee "$out/ctest.txt" \
+  || tail -30 "$out/native.log"
 for bench in "$@"; do
   name=$(basename "${bench%% *}" .py)
   python3 bench/$bench --json "$out/$name.json" 2>"$out/$name.err" | tee "$out/$name.txt"

@@ -13,7 +13,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 8;
-constexpr int64_t kChunkBytes = 1 << 16;
+// Small enough that a 16 MB boundary message still spreads over every SM.
+constexpr int64_t kChunkBytes = 1 << 14;
 constexpr int kWordBytes = 16;
 constexpr int kUnroll = 4;
 
@@ -90,16 +91,16 @@ void copy_segments(const std::vector<Segment>& segments, const at::Device& devic
 }
 
 at::Tensor pack_cuda(at::TensorList tensors) {
-  // The dispatcher routes here only for a non-empty list holding a CUDA tensor.
-  const c10::cuda::CUDAGuard guard(tensors[0].device());
   const PackPlan plan = plan_pack(tensors);
+  const c10::cuda::CUDAGuard guard(plan.buffer.device());
   copy_segments(plan.segments, plan.buffer.device());
   return plan.buffer;
 }
 
 void unpack_cuda(const at::Tensor& buffer, at::TensorList outs) {
+  const std::vector<Segment> segments = plan_unpack(buffer, outs);
   const c10::cuda::CUDAGuard guard(buffer.device());
-  copy_segments(plan_unpack(buffer, outs), buffer.device());
+  copy_segments(segments, buffer.device());
 }
 
 }  // namespace

@@ -1,0 +1,214 @@
+// Shared-memory ring: one direction of a point-to-point channel between two processes on one host.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace pipecomm::transport {
+
+// Base of every channel failure, so bindings can map the whole family at once.
+class ChannelError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class TimeoutError : public ChannelError {
+ public:
+  using ChannelError::ChannelError;
+};
+
+class PeerDiedError : public ChannelError {
+ public:
+  using ChannelError::ChannelError;
+};
+
+// Misuse or a peer that broke the protocol: closed peer, out-of-order release, bad header.
+class ProtocolError : public ChannelError {
+ public:
+  using ChannelError::ChannelError;
+};
+
+// Both sides pass the same name; the receiver's num_slots and slot_bytes win, the sender adopts them.
+struct RingConfig {
+  std::string name;  // POSIX shm style, e.g. "/pipecomm.<jobid>.<src>to<dst>"
+  int self_rank = 0;
+  int peer_rank = 0;
+  uint32_t num_slots = 4;
+  size_t slot_bytes = size_t{1} << 20;
+  double timeout_s = 300.0;
+};
+
+struct MessagePart {
+  const void* data;
+  size_t bytes;
+};
+
+// Points into the receiver's slot; valid until release(seq) or close().
+struct Message {
+  uint64_t seq;
+  uint32_t tag;
+  const void* data;
+  size_t bytes;
+};
+
+// Every part starts at a multiple of this offset inside the message, so tensor data stays aligned.
+inline constexpr size_t kPartAlignment = 16;
+
+constexpr size_t align_part_offset(size_t offset) {
+  return (offset + kPartAlignment - 1) & ~(kPartAlignment - 1);
+}
+
+// Payload size of a message: parts at aligned offsets, without padding after the last part.
+size_t packed_message_bytes(const MessagePart* parts, size_t num_parts);
+
+// Unlinks /dev/shm segments whose name starts with prefix and whose creator process is gone.
+// Returns how many were removed.
+size_t sweep_stale_segments(const std::string& prefix);
+
+namespace detail {
+
+struct ControlBlock;
+
+enum class WaitFailure { timeout, peer_closed, peer_died };
+enum class PeerStatus { alive, closed, died };
+
+// A MAP_SHARED mapping shared by every user in this process of the same shm object, so both ends
+// of an in-process channel see one address (ThreadSanitizer only pairs atomics at equal addresses).
+class MappedSegment {
+ public:
+  MappedSegment() = default;
+  static MappedSegment map_fd(int fd, size_t bytes, const std::string& name);
+  MappedSegment(MappedSegment&& other) noexcept;
+  MappedSegment& operator=(MappedSegment&& other) noexcept;
+  MappedSegment(const MappedSegment&) = delete;
+  MappedSegment& operator=(const MappedSegment&) = delete;
+  ~MappedSegment();
+
+  std::byte* data() const { return base_; }
+  void reset() noexcept;
+
+ private:
+  std::byte* base_ = nullptr;
+};
+
+// One data segment of the receiver: num_slots slots of slot_bytes each.
+struct DataGeneration {
+  uint32_t generation = 0;
+  size_t slot_bytes = 0;
+  std::string name;
+  MappedSegment segment;
+  // First message seq the sender wrote into the next generation; set once this one is retired.
+  uint64_t end_seq = 0;
+};
+
+}  // namespace detail
+
+// Each end is used by one thread at a time; the two ends may live in different threads or processes.
+class ShmRingReceiver {
+ public:
+  // Creates the control and first data segment; does not wait for the sender.
+  explicit ShmRingReceiver(RingConfig config);
+  ~ShmRingReceiver();
+  ShmRingReceiver(const ShmRingReceiver&) = delete;
+  ShmRingReceiver& operator=(const ShmRingReceiver&) = delete;
+
+  void wait_connected();
+  bool sender_attached() const;
+
+  Message recv();
+  std::optional<Message> try_recv();
+  // Acknowledges a received message, handing its slot back to the sender; strictly in order.
+  void release(uint64_t seq);
+
+  // Swaps to smaller slots if the ring is empty and no resize is in flight; returns whether it did.
+  bool shrink(size_t slot_bytes);
+
+  // Tells the sender, unmaps and unlinks everything; outstanding Messages become invalid.
+  void close() noexcept;
+
+  size_t slot_bytes() const;
+  uint32_t generation() const;
+  uint64_t next_recv_seq() const { return next_recv_seq_; }
+  uint64_t released_count() const { return released_count_; }
+  const std::string& control_segment_name() const { return control_name_; }
+
+ private:
+  void ensure_open(const char* operation) const;
+  void service_control();
+  void retire_drained_generations();
+  void publish_generation(size_t slot_bytes);
+  bool message_ready(uint64_t seq);
+  Message take_message(uint64_t seq);
+  void check_receivable(uint64_t seq) const;
+  detail::PeerStatus sender_status(bool check_liveness) const;
+  [[noreturn]] void raise_receive_failure(detail::WaitFailure failure, uint64_t seq) const;
+  std::string data_segment_name(uint32_t generation) const;
+
+  RingConfig config_;
+  pid_t owner_pid_;
+  std::string error_prefix_;
+  std::string control_name_;
+  detail::MappedSegment control_segment_;
+  detail::ControlBlock* control_ = nullptr;
+  detail::DataGeneration active_;  // the generation the sender writes into
+  std::optional<detail::DataGeneration> pending_;  // published, not yet adopted by the sender
+  std::vector<detail::DataGeneration> retired_;    // still holding unreleased messages
+  uint64_t next_recv_seq_ = 0;
+  uint64_t released_count_ = 0;
+  std::chrono::steady_clock::time_point next_liveness_check_{};
+};
+
+class ShmRingSender {
+ public:
+  // Does not touch shared memory; the receiver may not exist yet.
+  explicit ShmRingSender(RingConfig config);
+  ~ShmRingSender();
+  ShmRingSender(const ShmRingSender&) = delete;
+  ShmRingSender& operator=(const ShmRingSender&) = delete;
+
+  // Waits (up to timeout_s) for the receiver's segment to appear and attaches to it.
+  void wait_connected();
+  bool connected() const { return control_ != nullptr; }
+
+  // Copies the parts into the next slot; blocks while the ring is full or the slot must grow.
+  void send(const MessagePart* parts, size_t num_parts, uint32_t tag);
+  void send(const std::vector<MessagePart>& parts, uint32_t tag);
+  void send_bytes(const void* data, size_t bytes, uint32_t tag);
+
+  // Lets the receiver drain what was sent, then report the close.
+  void close() noexcept;
+
+  uint64_t next_send_seq() const { return next_send_seq_; }
+  size_t slot_bytes() const { return slot_bytes_; }
+
+ private:
+  bool try_attach();
+  void adopt_published_generation();
+  void wait_for_slot(uint64_t seq);
+  void grow_slots(size_t needed_bytes, uint64_t seq);
+  detail::PeerStatus receiver_status(bool check_liveness) const;
+  [[noreturn]] void raise_send_failure(detail::WaitFailure failure, uint64_t seq,
+                                       const std::string& reason) const;
+  std::string data_segment_name(uint32_t generation) const;
+
+  RingConfig config_;
+  pid_t owner_pid_;
+  std::string error_prefix_;
+  bool closed_ = false;
+  detail::MappedSegment control_segment_;
+  detail::ControlBlock* control_ = nullptr;
+  pid_t receiver_pid_ = 0;
+  detail::MappedSegment data_segment_;
+  uint32_t data_generation_ = 0;
+  size_t slot_bytes_ = 0;
+  uint64_t next_send_seq_ = 0;
+};
+
+}  // namespace pipecomm::transport
