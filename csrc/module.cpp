@@ -2,6 +2,8 @@
 #include <pybind11/pybind11.h>
 #include <torch/version.h>
 
+#include "transport/bindings.h"
+
 #ifdef PIPECOMM_WITH_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -29,4 +31,5 @@ py::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pipecomm native extension";
   m.def("build_info", &build_info, "What this extension was compiled with: torch version, CUDA or not.");
+  pipecomm::transport::register_bindings(m);
 }

@@ -29,4 +29,7 @@ PackPlan plan_pack(at::TensorList tensors);
 // Checks the arguments and describes one segment per output.
 std::vector<Segment> plan_unpack(const at::Tensor& buffer, at::TensorList outs);
 
+// Runs the segments' copies on the CPU, in parallel over fixed-size chunks.
+void copy_segments_cpu(const std::vector<Segment>& segments);
+
 }  // namespace pipecomm

@@ -14,7 +14,9 @@ namespace {
 
 constexpr int64_t kChunkBytes = 1 << 18;
 
-void copy_segments(const std::vector<Segment>& segments) {
+}  // namespace
+
+void copy_segments_cpu(const std::vector<Segment>& segments) {
   std::vector<int64_t> write_sizes;
   for (const Segment& segment : segments) write_sizes.push_back(segment.write_bytes);
   const std::vector<int64_t> prefix = chunk_prefix(write_sizes, kChunkBytes);
@@ -33,14 +35,16 @@ void copy_segments(const std::vector<Segment>& segments) {
   });
 }
 
+namespace {
+
 at::Tensor pack_cpu(at::TensorList tensors) {
   const PackPlan plan = plan_pack(tensors);
-  copy_segments(plan.segments);
+  copy_segments_cpu(plan.segments);
   return plan.buffer;
 }
 
 void unpack_cpu(const at::Tensor& buffer, at::TensorList outs) {
-  copy_segments(plan_unpack(buffer, outs));
+  copy_segments_cpu(plan_unpack(buffer, outs));
 }
 
 }  // namespace

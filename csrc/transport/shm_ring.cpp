@@ -529,6 +529,11 @@ void ShmRingReceiver::retire_drained_generations() {
   retired_.erase(drained, retired_.end());
 }
 
+void ShmRingReceiver::service() {
+  ensure_open("service");
+  service_control();
+}
+
 // Only one generation is ever pending, so sender_generation can only move to pending_'s.
 void ShmRingReceiver::service_control() {
   if (pending_ && control_->sender_generation.load(std::memory_order_acquire) == pending_->generation) {
@@ -855,7 +860,10 @@ void ShmRingSender::wait_for_slot(uint64_t seq) {
   const uint32_t num_slots = config_.num_slots;
   wait_for(
       control_->sender_wake, config_.timeout_s,
-      [&] { return control_->read_count.load(std::memory_order_acquire) + num_slots > seq; },
+      [&] {
+        if (wait_hook_) wait_hook_();
+        return control_->read_count.load(std::memory_order_acquire) + num_slots > seq;
+      },
       [&](bool check_liveness) { return receiver_status(check_liveness); },
       [&](WaitFailure failure) {
         raise_send_failure(failure, seq,
@@ -871,6 +879,7 @@ void ShmRingSender::grow_slots(size_t needed_bytes, uint64_t seq) {
   wait_for(
       control_->sender_wake, config_.timeout_s,
       [&] {
+        if (wait_hook_) wait_hook_();
         adopt_published_generation();
         return slot_bytes_ >= needed_bytes;
       },

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -127,6 +128,9 @@ class ShmRingReceiver {
   // Acknowledges a received message, handing its slot back to the sender; strictly in order.
   void release(uint64_t seq);
 
+  // Answers the sender's pending grow request without receiving; recv() and try_recv() do it too.
+  void service();
+
   // Swaps to smaller slots if the ring is empty and no resize is in flight; returns whether it did.
   bool shrink(size_t slot_bytes);
 
@@ -182,6 +186,10 @@ class ShmRingSender {
   void send(const std::vector<MessagePart>& parts, uint32_t tag);
   void send_bytes(const void* data, size_t bytes, uint32_t tag);
 
+  // Called repeatedly while send() waits for the receiver. A duplex channel passes its own
+  // receiver's service(), so two ends sending oversized messages to each other cannot deadlock.
+  void set_wait_hook(std::function<void()> hook) { wait_hook_ = std::move(hook); }
+
   // Lets the receiver drain what was sent, then report the close.
   void close() noexcept;
 
@@ -209,6 +217,7 @@ class ShmRingSender {
   uint32_t data_generation_ = 0;
   size_t slot_bytes_ = 0;
   uint64_t next_send_seq_ = 0;
+  std::function<void()> wait_hook_;
 };
 
 }  // namespace pipecomm::transport

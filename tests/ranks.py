@@ -1,0 +1,81 @@
+"""Runs a function on several CPU processes joined by gloo through a FileStore; a hang becomes a test failure."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def _entry(rank: int, world_size: int, store_path: str, results, fn, args) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        outcome = fn(rank, world_size, *args)
+        results.put((rank, "ok", outcome))
+    except BaseException:  # report everything, including assertion failures, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn: Callable, tmp_path: Path, *args, timeout: float = 60.0, may_exit: frozenset = frozenset()) -> list:
+    """Runs fn(rank, world_size, *args) on world_size spawned ranks and returns their results by rank.
+
+    Ranks in ``may_exit`` are allowed to exit without a result (a simulated crash); their result is
+    their exit code.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    store_path = str(tmp_path / f"store-{os.getpid()}-{id(fn)}")
+    processes = [
+        context.Process(target=_entry, args=(rank, world_size, store_path, results, fn, args), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    outcomes: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                _collect_exits(processes, outcomes, may_exit)
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(outcomes))
+                    raise AssertionError(f"ranks {missing} gave no result within {timeout:g} s (hang?)") from None
+                continue
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{payload}")
+            outcomes[rank] = payload
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+    return [outcomes[rank] for rank in range(world_size)]
+
+
+def _collect_exits(processes, outcomes: dict, may_exit: frozenset) -> None:
+    """Ranks that exited without a result: allowed ones yield their exit code, others fail the test."""
+    for rank, process in enumerate(processes):
+        if rank in outcomes or process.exitcode is None:
+            continue
+        # A result sent just before exiting can still be in the queue's pipe; give it a moment.
+        if time.monotonic() - _exit_seen.setdefault((id(process), rank), time.monotonic()) < 1.0:
+            continue
+        if rank not in may_exit:
+            raise AssertionError(f"rank {rank} exited with code {process.exitcode} without a result")
+        outcomes[rank] = process.exitcode
+
+
+_exit_seen: dict = {}
