@@ -57,7 +57,7 @@ def make_extension():
     compile_args = {"cxx": ["-O3", "-std=c++17"]}
     macros = []
     if cuda:
-        files += sources["cuda"]
+        files += sources["cuda"] + sources["cuda_transport"] + sources["cuda_python"]
         compile_args["nvcc"] = ["-O3", "-std=c++17", "-lineinfo"]
         macros.append(("PIPECOMM_WITH_CUDA", "1"))
     builder = cpp_extension.CUDAExtension if cuda else cpp_extension.CppExtension

@@ -131,3 +131,28 @@ def print_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str]) ->
     print("  ".join("-" * width for width in widths))
     for line in cells:
         print(render(line))
+
+
+# Eight dtypes a stage boundary may carry, float and not, in rotation.
+MIXED_DTYPES = [
+    torch.float32, torch.bfloat16, torch.float16, torch.int64,
+    torch.int32, torch.uint8, torch.bool, torch.float32,
+]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape, device=device) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, device=device, dtype=dtype)
+    return torch.randint(0, 100, shape, dtype=dtype, device=device)
+
+
+def mixed_tensors(total_bytes: int, device: torch.device) -> list[torch.Tensor]:
+    """Eight tensors of rotating dtypes, ~total/8 bytes each, sizes nudged off 16-byte multiples."""
+    tensors = []
+    for index, dtype in enumerate(MIXED_DTYPES):
+        element_size = torch.empty((), dtype=dtype).element_size()
+        numel = max(total_bytes // len(MIXED_DTYPES) // element_size - (2 * index + 1), 1)
+        tensors.append(random_tensor((numel,), dtype, device))
+    return tensors

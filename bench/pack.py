@@ -9,34 +9,21 @@ from collections.abc import Callable
 
 import torch
 
-from _common import environment, gb_per_s, print_environment, print_table, time_on, write_json
+from _common import (
+    MIXED_DTYPES,
+    environment,
+    gb_per_s,
+    mixed_tensors,
+    print_environment,
+    print_table,
+    random_tensor,
+    time_on,
+    write_json,
+)
 
 import pipecomm
 
-MIXED_DTYPES = [
-    torch.float32, torch.bfloat16, torch.float16, torch.int64,
-    torch.int32, torch.uint8, torch.bool, torch.float32,
-]
-
 TABLE_COLUMNS = ["case", "tensors", "MB", "op", "method", "ms", "GB/s", "vs_torch"]
-
-
-def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if dtype == torch.bool:
-        return torch.rand(shape, device=device) > 0.5
-    if dtype.is_floating_point:
-        return torch.randn(shape, device=device, dtype=dtype)
-    return torch.randint(0, 100, shape, dtype=dtype, device=device)
-
-
-def mixed_tensors(total_bytes: int, device: torch.device) -> list[torch.Tensor]:
-    """Eight tensors of rotating dtypes, each ~total/8 bytes, sizes nudged off 16-byte multiples."""
-    tensors = []
-    for index, dtype in enumerate(MIXED_DTYPES):
-        element_size = torch.empty((), dtype=dtype).element_size()
-        numel = total_bytes // len(MIXED_DTYPES) // element_size - (2 * index + 1)
-        tensors.append(random_tensor((numel,), dtype, device))
-    return tensors
 
 
 def small_tensors(count: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:

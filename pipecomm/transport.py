@@ -34,10 +34,6 @@ ProtocolError = _C.ProtocolError
 DEFAULT_TIMEOUT = 300.0
 BACKENDS = ("auto", "ipc", "shm", "dist")
 
-# Message kinds on a channel's host path: metadata only when shapes or dtypes change, then data.
-TAG_META = 1
-TAG_DATA = 2
-
 # Per (low rank, high rank) pair, how many channels this process has opened, so that both ends of
 # the n-th connect() between two ranks agree on its store keys without talking first.
 _connections_per_pair: collections.Counter = collections.Counter()
@@ -89,12 +85,18 @@ def connect(
         raise ValueError(f"connect: backend 'shm' carries CPU tensors, not {device}")
     if backend == "dist":
         return DistChannel(rank, peer_rank, device, timeout, group)
-    host = _host_channel(store, rank, peer_rank, num_slots, slot_bytes, timeout)
+    token = store.token()
+    names = (f"/pipecomm.{token}.{peer_rank}to{rank}", f"/pipecomm.{token}.{rank}to{peer_rank}")
     if backend == "shm":
-        return ShmChannel(rank, peer_rank, device, timeout, host)
+        native = _C.ShmChannel(*names, rank, peer_rank, num_slots, slot_bytes, timeout)
+        native.connect()
+        return ShmChannel(rank, peer_rank, device, timeout, native)
     from pipecomm._ipc import IpcChannel
 
-    return IpcChannel(rank, peer_rank, device, timeout, host, store, num_slots, slot_bytes)
+    native = _C.IpcChannel(*names, rank, peer_rank, device.index, num_slots, slot_bytes, timeout)
+    store.set("ipc", native.handles())
+    native.connect(store.get_peer("ipc"))
+    return IpcChannel(rank, peer_rank, device, timeout, native, store)
 
 
 class Handle:
@@ -123,8 +125,6 @@ class Channel:
         self.peer_rank = peer_rank
         self.device = device
         self.timeout = timeout
-        self._sent_meta: Meta | None = None
-        self._received_meta: Meta | None = None
         self._pending_recvs: collections.deque[Handle] = collections.deque()
         self._closed = False
 
@@ -192,25 +192,6 @@ class Channel:
         source, target = (self.rank, self.peer_rank) if action == "send" else (self.peer_rank, self.rank)
         return f"pipecomm {self.backend} channel rank {source} -> rank {target}"
 
-    def _outgoing(self, tensors: list) -> tuple[Meta, list[torch.Tensor]]:
-        """The message's metadata and its tensors as contiguous buffers on this channel's device."""
-        present = []
-        for index, tensor in enumerate(tensors):
-            if tensor is None:
-                continue
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{self._describe_direction('send')}: entry {index} is a {type(tensor).__name__}, not a tensor")
-            if tensor.device != self.device:
-                raise ValueError(
-                    f"{self._describe_direction('send')}: tensors[{index}] is on {tensor.device}, "
-                    f"but this channel carries tensors on {self.device}"
-                )
-            present.append(tensor.detach().contiguous())
-        return _describe(tensors), present
-
-    def _allocate(self, meta: Meta) -> list:
-        return [None if entry is None else torch.empty(entry[1], dtype=entry[0], device=self.device) for entry in meta]
-
     def _send(self, tensors: list) -> None:
         raise NotImplementedError
 
@@ -222,29 +203,18 @@ class Channel:
 
 
 class ShmChannel(Channel):
-    """CPU tensors between processes of one host, through shared-memory rings."""
+    """CPU tensors between processes of one host, through shared-memory rings; each message is one native call."""
 
     backend = "shm"
 
-    def __init__(self, rank, peer_rank, device, timeout, host):
+    def __init__(self, rank, peer_rank, device, timeout, native):
         super().__init__(rank, peer_rank, device, timeout)
-        self._host = host
-
-    def _send(self, tensors):
-        meta, present = self._outgoing(tensors)
-        if meta != self._sent_meta:
-            self._host.send_bytes(pickle.dumps(meta), TAG_META)
-            self._sent_meta = meta
-        self._host.send_tensors(present, TAG_DATA)
-
-    def _recv(self):
-        self._received_meta = _receive_meta(self._host, self._received_meta, self._describe_direction("receive"))
-        outs = self._allocate(self._received_meta)
-        self._host.recv_into([tensor for tensor in outs if tensor is not None])
-        return tuple(outs)
+        self._native = native
+        self._send = native.send
+        self._recv = native.recv
 
     def _close(self):
-        self._host.close()
+        self._native.close()
 
 
 class DistChannel(Channel):
@@ -259,6 +229,8 @@ class DistChannel(Channel):
     def __init__(self, rank, peer_rank, device, timeout, group):
         super().__init__(rank, peer_rank, device, timeout)
         self._group = group
+        self._sent_meta: Meta | None = None
+        self._received_meta: Meta | None = None
         nccl = dist.get_backend(group) == "nccl"
         self._wire_device = device if nccl else torch.device("cpu")
         self._send_seq = 0
@@ -282,6 +254,25 @@ class DistChannel(Channel):
         self._send_seq += 1
         while self._in_flight and all(work.is_completed() for work in self._in_flight[0][1]):
             self._in_flight.popleft()
+
+    def _outgoing(self, tensors: list) -> tuple[Meta, list[torch.Tensor]]:
+        """The message's metadata and its tensors as contiguous buffers on this channel's device."""
+        present = []
+        for index, tensor in enumerate(tensors):
+            if tensor is None:
+                continue
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{self._describe_direction('send')}: entry {index} is a {type(tensor).__name__}, not a tensor")
+            if tensor.device != self.device:
+                raise ValueError(
+                    f"{self._describe_direction('send')}: tensors[{index}] is on {tensor.device}, "
+                    f"but this channel carries tensors on {self.device}"
+                )
+            present.append(tensor.detach().contiguous())
+        return _describe(tensors), present
+
+    def _allocate(self, meta: Meta) -> list:
+        return [None if entry is None else torch.empty(entry[1], dtype=entry[0], device=self.device) for entry in meta]
 
     def _recv(self):
         seq = self._recv_seq
@@ -327,17 +318,6 @@ def _describe(tensors: list) -> Meta:
     return tuple(None if tensor is None else (tensor.dtype, tuple(tensor.shape)) for tensor in tensors)
 
 
-def _receive_meta(host, current: Meta | None, direction: str) -> Meta:
-    """Consumes a metadata message if one comes next; the data message must follow."""
-    tag = host.next_tag()
-    if tag == TAG_META:
-        current = pickle.loads(host.recv_bytes())
-        tag = host.next_tag()
-    if tag != TAG_DATA or current is None:
-        raise ProtocolError(f"{direction}: expected a data message, got tag {tag}")
-    return current
-
-
 def _copy_into(message: tuple, out: Sequence, direction: str) -> None:
     if len(out) != len(message):
         raise ValueError(f"{direction}: the message has {len(message)} entries but out has {len(out)}")
@@ -367,21 +347,6 @@ def _host_identity() -> str:
     except OSError:
         boot = "no-boot-id"
     return f"{socket.gethostname()}/{boot}"
-
-
-def _host_channel(store, rank, peer_rank, num_slots, slot_bytes, timeout):
-    token = store.token()
-    channel = _C.ShmChannel(
-        f"/pipecomm.{token}.{peer_rank}to{rank}",
-        f"/pipecomm.{token}.{rank}to{peer_rank}",
-        rank,
-        peer_rank,
-        num_slots,
-        slot_bytes,
-        timeout,
-    )
-    channel.connect()
-    return channel
 
 
 class _Rendezvous:

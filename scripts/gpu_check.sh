@@ -14,7 +14,7 @@ if ! PIPECOMM_USE_CUDA=1 MAX_JOBS=16 python3 -m pip install --no-build-isolation
   exit 1
 fi
 python3 -c "import pipecomm; print(pipecomm.build_info())"
-python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tail -25 | tee "$out/pytest.txt"
+python3 -m pytest ${PYTEST_ARGS:-tests} -q -p no:cacheprovider 2>&1 | tail -25 | tee "$out/pytest.txt"
 cmake -S . -B build/native -G Ninja -DCMAKE_BUILD_TYPE=Release >"$out/native.log" 2>&1 \
   && cmake --build build/native >>"$out/native.log" 2>&1 \
   && ctest --test-dir build/native --output-on-failure 2>&1 | tail -6 | tee "$out/ctest.txt" \

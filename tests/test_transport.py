@@ -15,12 +15,33 @@ from ranks import run_ranks
 
 import pipecomm.transport as transport
 
-CPU_BACKENDS = ["shm", "dist"]
+import pipecomm
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and pipecomm.cuda_built()), reason="needs a GPU and a CUDA build of pipecomm"
+)
+# Every backend with the tensors it carries: CPU tensors over shared memory or gloo, CUDA tensors
+# over CUDA IPC or gloo (which stages them through the host).
+BACKENDS_AND_DEVICES = [
+    pytest.param("shm", "cpu", id="shm-cpu"),
+    pytest.param("dist", "cpu", id="dist-cpu"),
+    pytest.param("ipc", "cuda", id="ipc-cuda", marks=needs_cuda),
+    pytest.param("dist", "cuda", id="dist-cuda", marks=needs_cuda),
+]
 
 
-def mixed_message(seed: int) -> list:
+def rank_device(rank: int, kind: str) -> torch.device:
+    """Rank r uses GPU r when there are enough GPUs; otherwise both ranks share GPU 0 (IPC still crosses processes)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def mixed_message(seed: int, device: torch.device = torch.device("cpu")) -> list:
     generator = torch.Generator().manual_seed(seed)
-    return [
+    return [None if tensor is None else tensor.to(device) for tensor in [
         torch.randn(3, 5, 7, generator=generator),
         (torch.rand(4, 9, generator=generator) > 0.5),
         torch.randint(-(2**40), 2**40, (11,), generator=generator),
@@ -29,7 +50,7 @@ def mixed_message(seed: int) -> list:
         torch.empty(0, 4),
         torch.tensor(3.5, dtype=torch.float64),
         torch.randint(0, 255, (17,), dtype=torch.uint8, generator=generator),
-    ]
+    ]]
 
 
 def assert_same_message(got: tuple, want: list) -> None:
@@ -42,30 +63,31 @@ def assert_same_message(got: tuple, want: list) -> None:
             assert torch.equal(a, b), f"entry {index} differs"
 
 
-def round_trips(rank: int, world_size: int, backend: str) -> str:
+def round_trips(rank: int, world_size: int, backend: str, kind: str) -> str:
     peer = 1 - rank
-    with transport.connect(peer, backend=backend, timeout=30) as channel:
+    device = rank_device(rank, kind)
+    with transport.connect(peer, backend=backend, device=device, timeout=30, slot_bytes=4096) as channel:
         assert channel.backend == backend
         # Ordering and metadata caching: the same shapes many times, then new shapes, then back.
         for seq in range(20):
             if rank == 0:
-                channel.send(mixed_message(seq))
+                channel.send(mixed_message(seq, device))
             else:
-                assert_same_message(channel.recv(), mixed_message(seq))
-        changing = [[torch.arange(n, dtype=torch.int32).reshape(1, n)] for n in (1, 5, 5, 2, 9)]
+                assert_same_message(channel.recv(), mixed_message(seq, device))
+        changing = [[torch.arange(n, dtype=torch.int32, device=device).reshape(1, n)] for n in (1, 5, 5, 2, 9, 100_000)]
         for message in changing:
             if rank == 0:
                 channel.send(message)
             else:
                 assert_same_message(channel.recv(), message)
         # The fused exchange of the 1F1B steady state.
-        mine = [torch.full((4, 3), float(rank)), torch.tensor([rank], dtype=torch.int64)]
-        theirs = [torch.full((4, 3), float(peer)), torch.tensor([peer], dtype=torch.int64)]
+        mine = [torch.full((4, 3), float(rank), device=device), torch.tensor([rank], device=device)]
+        theirs = [torch.full((4, 3), float(peer), device=device), torch.tensor([peer], device=device)]
         assert_same_message(channel.send_recv(mine), theirs)
         # Async receives are matched to messages in posting order, whatever order they are waited in.
         if rank == 0:
             for value in range(3):
-                channel.send_async([torch.tensor([value])]).wait()
+                channel.send_async([torch.tensor([value], device=device)]).wait()
         else:
             handles = [channel.recv_async() for _ in range(3)]
             assert handles[2].wait()[0].item() == 2
@@ -73,16 +95,16 @@ def round_trips(rank: int, world_size: int, backend: str) -> str:
             assert handles[1].wait()[0].item() == 1
         # Receiving into preallocated tensors, and a clear error (nothing lost) on a mismatch.
         if rank == 0:
-            channel.send([torch.ones(2, 2)])
+            channel.send([torch.ones(2, 2, device=device)])
         else:
             with pytest.raises(ValueError, match=r"rank 0 -> rank 1: entry 0 is torch.float32 \(2, 2\) but out\[0\]"):
-                channel.recv(out=[torch.empty(4)])
+                channel.recv(out=[torch.empty(4, device=device)])
         if rank == 0:
-            channel.send([torch.ones(2, 2)])
+            channel.send([torch.ones(2, 2, device=device)])
         else:
-            target = torch.zeros(2, 2)
+            target = torch.zeros(2, 2, device=device)
             channel.recv(out=[target])
-            assert torch.equal(target, torch.ones(2, 2))
+            assert torch.equal(target, torch.ones(2, 2, device=device))
         # A message with no tensors at all.
         if rank == 0:
             channel.send([None, None])
@@ -91,41 +113,46 @@ def round_trips(rank: int, world_size: int, backend: str) -> str:
     return backend
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_round_trips_and_ordering(tmp_path, backend):
-    assert run_ranks(2, round_trips, tmp_path, backend) == [backend, backend]
+@pytest.mark.parametrize(("backend", "kind"), BACKENDS_AND_DEVICES)
+def test_round_trips_and_ordering(tmp_path, backend, kind):
+    assert run_ranks(2, round_trips, tmp_path, backend, kind) == [backend, backend]
 
 
-def auto_backend(rank: int, world_size: int) -> str:
-    with transport.connect(1 - rank) as channel:
+def auto_backend(rank: int, world_size: int, kind: str) -> str:
+    device = rank_device(rank, kind)
+    with transport.connect(1 - rank, device=device) as channel:
         if rank == 0:
-            channel.send([torch.ones(3)])
+            channel.send([torch.ones(3, device=device)])
         else:
-            assert torch.equal(channel.recv()[0], torch.ones(3))
+            assert torch.equal(channel.recv()[0], torch.ones(3, device=device))
         return channel.backend
 
 
-def test_auto_picks_shared_memory_on_one_host(tmp_path):
-    assert run_ranks(2, auto_backend, tmp_path) == ["shm", "shm"]
+@pytest.mark.parametrize(
+    ("kind", "expected"), [("cpu", "shm"), pytest.param("cuda", "ipc", marks=needs_cuda)], ids=["cpu", "cuda"]
+)
+def test_auto_picks_the_same_host_transport(tmp_path, kind, expected):
+    assert run_ranks(2, auto_backend, tmp_path, kind) == [expected, expected]
 
 
-def stress(rank: int, world_size: int, backend: str, count: int, max_bytes: int) -> int:
+def stress(rank: int, world_size: int, backend: str, kind: str, count: int, max_bytes: int) -> int:
     """Random sizes (0 B to max_bytes) and random delays on both sides, in both directions at once."""
     peer = 1 - rank
+    device = rank_device(rank, kind)
     rng = random.Random(1234)
     sizes = [rng.choice([0, 1, 15, 16, 17, 1000, 65536, rng.randint(0, max_bytes)]) for _ in range(count)]
     # Each message is a slice of a random pool at an offset that depends on its sender and seq.
-    pool = torch.randint(0, 256, (2 * max_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    pool = torch.randint(0, 256, (2 * max_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)).to(device)
 
     def payload(seq: int, sender: int) -> torch.Tensor:
         offset = (seq * 7919 + sender * 104729) % max_bytes
         return pool[offset : offset + sizes[seq]]
 
     corrupted = 0
-    with transport.connect(peer, backend=backend, timeout=60, slot_bytes=4096) as channel:
+    with transport.connect(peer, backend=backend, device=device, timeout=60, slot_bytes=4096) as channel:
         delays = random.Random(rank)
         for seq in range(count):
-            stamp = torch.tensor([seq, rank], dtype=torch.int64)
+            stamp = torch.tensor([seq, rank], dtype=torch.int64, device=device)
             if delays.random() < 0.05:
                 time.sleep(delays.random() * 0.002)
             got = channel.send_recv([payload(seq, rank), stamp])
@@ -134,13 +161,21 @@ def stress(rank: int, world_size: int, backend: str, count: int, max_bytes: int)
     return corrupted
 
 
-@pytest.mark.parametrize(("backend", "count"), [("shm", 3000), ("dist", 300)])
-def test_stress_random_sizes_and_delays(tmp_path, backend, count):
-    assert run_ranks(2, stress, tmp_path, backend, count, 3 << 20, timeout=120) == [0, 0]
+@pytest.mark.parametrize(
+    ("backend", "kind", "count"),
+    [
+        ("shm", "cpu", 3000),
+        ("dist", "cpu", 300),
+        pytest.param("ipc", "cuda", 3000, marks=needs_cuda),
+        pytest.param("dist", "cuda", 300, marks=needs_cuda),
+    ],
+)
+def test_stress_random_sizes_and_delays(tmp_path, backend, kind, count):
+    assert run_ranks(2, stress, tmp_path, backend, kind, count, 3 << 20, timeout=120) == [0, 0]
 
 
-def timeout_then_close(rank: int, world_size: int, backend: str) -> str:
-    with transport.connect(1 - rank, backend=backend, timeout=0.5) as channel:
+def timeout_then_close(rank: int, world_size: int, backend: str, kind: str) -> str:
+    with transport.connect(1 - rank, backend=backend, device=rank_device(rank, kind), timeout=0.5) as channel:
         if rank == 1:
             started = time.monotonic()
             with pytest.raises(TimeoutError) as error:
@@ -158,9 +193,9 @@ def timeout_then_close(rank: int, world_size: int, backend: str) -> str:
         return "ok"
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_receive_times_out_with_ranks_in_the_message(tmp_path, backend):
-    run_ranks(2, timeout_then_close, tmp_path, backend)
+@pytest.mark.parametrize(("backend", "kind"), BACKENDS_AND_DEVICES)
+def test_receive_times_out_with_ranks_in_the_message(tmp_path, backend, kind):
+    run_ranks(2, timeout_then_close, tmp_path, backend, kind)
 
 
 def peer_dies(rank: int, world_size: int) -> str:

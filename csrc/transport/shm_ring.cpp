@@ -101,7 +101,10 @@ constexpr uint32_t kMaxSlots = 1u << 16;
 // Segment names get ".pid<pid>.gen<generation>" appended and must fit NAME_MAX.
 constexpr size_t kMaxChannelNameBytes = 200;
 constexpr const char* kShmDirectory = "/dev/shm";
-constexpr int kSpinIterations = 1000;
+// A peer usually answers within microseconds (a pipeline's host runs ahead of its GPU), and a
+// futex sleep adds tens of microseconds of wake-up latency; so spin this long before sleeping.
+constexpr auto kSpinDuration = std::chrono::microseconds(50);
+constexpr int kSpinsPerClockRead = 64;
 // Blocking waits wake at least this often to check peer liveness and the deadline.
 constexpr auto kWaitSlice = std::chrono::milliseconds(50);
 constexpr auto kAttachBackoffCap = std::chrono::milliseconds(1);
@@ -279,10 +282,13 @@ void notify(WakeWord& wake) {
 template <typename IsReady, typename GetPeerStatus, typename Fail>
 void wait_for(WakeWord& wake, double timeout_s, IsReady&& is_ready, GetPeerStatus&& peer_status, Fail&& fail) {
   const auto deadline = Clock::now() + to_duration(timeout_s);
-  for (int spin = 0; spin < kSpinIterations; ++spin) {
-    if (is_ready()) return;
-    cpu_relax();
-  }
+  const auto spin_until = Clock::now() + kSpinDuration;
+  do {
+    for (int spin = 0; spin < kSpinsPerClockRead; ++spin) {
+      if (is_ready()) return;
+      cpu_relax();
+    }
+  } while (Clock::now() < spin_until);
   auto next_liveness_check = Clock::now();
   while (true) {
     const uint32_t observed = wake.sequence.load(std::memory_order_acquire);

@@ -1,0 +1,569 @@
+// CUDA-IPC ring: allocation, handle serialization, peer mapping and the stream-ordered protocol.
+#include "ipc_ring.h"
+
+#include <cuda.h>  // driver API types and enums only; the functions come from cudaGetDriverEntryPoint*
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "shm_ring.h"  // ChannelError, ProtocolError
+
+#if !defined(CUDART_VERSION) || CUDART_VERSION < 12000
+#error "pipecomm ipc_ring needs CUDA 12.0 or newer (cuStreamWaitValue32_v2 through the runtime's entry points)"
+#endif
+
+namespace pipecomm::transport {
+
+namespace {
+
+constexpr uint32_t kMagic = 0x52435049;  // "IPCR" in memory order on little-endian hosts
+constexpr uint32_t kFormatVersion = 1;
+constexpr size_t kBusIdBytes = 32;
+constexpr size_t kFlagLineBytes = 64;  // every counter in its own line
+constexpr uint32_t kMaxSlots = 1u << 16;
+// The ABI version of the stream memory operations we ask for: the _v2 entry points (CUDA 11.7+,
+// the default from 12.0), which need no CAN_USE_STREAM_MEM_OPS_V1 attribute.
+constexpr unsigned int kDriverApiVersion = 12000;
+
+// Blob layout (host byte order; both ends are on one host).
+constexpr size_t kOffMagic = 0;
+constexpr size_t kOffVersion = 4;
+constexpr size_t kOffBusId = 8;
+constexpr size_t kOffPid = kOffBusId + kBusIdBytes;  // 40
+constexpr size_t kOffNumSlots = kOffPid + 4;         // 44
+constexpr size_t kOffSlotBytes = kOffNumSlots + 4;   // 48
+constexpr size_t kOffGeneration = kOffSlotBytes + 8;  // 56
+constexpr size_t kOffReserved = kOffGeneration + 4;   // 60
+constexpr size_t kOffFirstSeq = kOffReserved + 4;     // 64
+constexpr size_t kOffFlagsHandle = kOffFirstSeq + 8;  // 72
+constexpr size_t kOffDataHandle = kOffFlagsHandle + sizeof(cudaIpcMemHandle_t);
+constexpr size_t kBlobBytes = kOffDataHandle + sizeof(cudaIpcMemHandle_t);
+static_assert(sizeof(cudaIpcMemHandle_t) == 64, "unexpected cudaIpcMemHandle_t size");
+
+using StreamMemOpFn = CUresult(CUDAAPI*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using ErrorStringFn = CUresult(CUDAAPI*)(CUresult, const char**);
+
+std::string prefix_or_default(std::string prefix) {
+  return prefix.empty() ? std::string("pipecomm ipc ring") : prefix;
+}
+
+std::string cuda_error_text(cudaError_t error) {
+  const char* name = cudaGetErrorName(error);
+  const char* text = cudaGetErrorString(error);
+  return std::string(name ? name : "cudaError?") + " (" + std::to_string(static_cast<int>(error)) +
+         "): " + (text ? text : "unknown error");
+}
+
+// Throws ChannelError for a failed runtime call. Clears the runtime's last-error state first, so a
+// later cudaGetLastError() in unrelated code (kernel launch checks) does not report this failure.
+void check_cuda(cudaError_t error, const std::string& prefix, const char* call, const std::string& detail = {}) {
+  if (error == cudaSuccess) return;
+  (void)cudaGetLastError();
+  throw ChannelError(prefix + ": " + call + (detail.empty() ? "" : " (" + detail + ")") +
+                     " failed: " + cuda_error_text(error));
+}
+
+struct DriverApi {
+  StreamMemOpFn wait_value32 = nullptr;
+  StreamMemOpFn write_value32 = nullptr;
+  ErrorStringFn get_error_name = nullptr;    // optional, for messages
+  ErrorStringFn get_error_string = nullptr;  // optional, for messages
+};
+
+void* lookup_driver_symbol(const char* symbol, bool required, const std::string& prefix) {
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  // cudaGetDriverEntryPoint is deprecated from CUDA 13.0; ByVersion exists since 12.5.
+  const char* call = "cudaGetDriverEntryPointByVersion";
+  cudaError_t error = cudaGetDriverEntryPointByVersion(symbol, &function, kDriverApiVersion, cudaEnableDefault, &status);
+#else
+  // 12.0 - 12.4: returns the newest ABI-compatible version for the runtime's version (>= 12.0: _v2).
+  const char* call = "cudaGetDriverEntryPoint";
+  cudaError_t error = cudaGetDriverEntryPoint(symbol, &function, cudaEnableDefault, &status);
+#endif
+  if (error == cudaSuccess && status == cudaDriverEntryPointSuccess && function != nullptr) return function;
+  if (error != cudaSuccess) (void)cudaGetLastError();
+  if (!required) return nullptr;
+  throw ChannelError(prefix + ": " + call + "(" + symbol + ", version " + std::to_string(kDriverApiVersion) +
+                     ") failed: " + (error != cudaSuccess ? cuda_error_text(error) : std::string("no error")) +
+                     ", driver status " + std::to_string(static_cast<int>(status)) +
+                     " (1: symbol not found, 2: driver too old)");
+}
+
+DriverApi load_driver_api(const std::string& prefix) {
+  DriverApi api;
+  api.wait_value32 = reinterpret_cast<StreamMemOpFn>(lookup_driver_symbol("cuStreamWaitValue32", true, prefix));
+  api.write_value32 = reinterpret_cast<StreamMemOpFn>(lookup_driver_symbol("cuStreamWriteValue32", true, prefix));
+  api.get_error_name = reinterpret_cast<ErrorStringFn>(lookup_driver_symbol("cuGetErrorName", false, prefix));
+  api.get_error_string = reinterpret_cast<ErrorStringFn>(lookup_driver_symbol("cuGetErrorString", false, prefix));
+  return api;
+}
+
+// Loaded once per process (a failed load is retried by the next call: a throwing static initializer
+// leaves the static uninitialized).
+const DriverApi& driver_api(const std::string& prefix) {
+  static const DriverApi api = load_driver_api(prefix);
+  return api;
+}
+
+void check_driver(CUresult result, const DriverApi& api, const std::string& prefix, const char* call,
+                  const std::string& detail) {
+  if (result == CUDA_SUCCESS) return;
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (api.get_error_name == nullptr || api.get_error_name(result, &name) != CUDA_SUCCESS) name = nullptr;
+  if (api.get_error_string == nullptr || api.get_error_string(result, &text) != CUDA_SUCCESS) text = nullptr;
+  throw ChannelError(prefix + ": " + call + " (" + detail + ") failed: " + (name ? name : "CUresult") + " (" +
+                     std::to_string(static_cast<int>(result)) + "): " + (text ? text : "unknown error"));
+}
+
+CUdeviceptr device_address(const void* pointer) {
+  return static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(pointer));
+}
+
+// Makes `device` current for the scope, restoring the caller's current device afterwards.
+class DeviceGuard {
+ public:
+  DeviceGuard(int device, const std::string& prefix) {
+    check_cuda(cudaGetDevice(&previous_), prefix, "cudaGetDevice");
+    // Also when already current: cudaSetDevice makes the primary context current on this thread.
+    check_cuda(cudaSetDevice(device), prefix, "cudaSetDevice", "device " + std::to_string(device));
+    restore_ = previous_ != device;
+  }
+  ~DeviceGuard() {
+    if (restore_ && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+std::string bus_id_of(int device, const std::string& prefix) {
+  char buffer[kBusIdBytes] = {};
+  check_cuda(cudaDeviceGetPCIBusId(buffer, static_cast<int>(sizeof(buffer) - 1), device), prefix,
+             "cudaDeviceGetPCIBusId", "device " + std::to_string(device));
+  return std::string(buffer);
+}
+
+size_t round_slot_bytes(size_t bytes, const std::string& prefix) {
+  if (bytes == 0) bytes = 1;
+  if (bytes > std::numeric_limits<size_t>::max() - (kIpcSlotAlignment - 1)) {
+    throw ProtocolError(prefix + ": slot size " + std::to_string(bytes) + " overflows");
+  }
+  return (bytes + kIpcSlotAlignment - 1) / kIpcSlotAlignment * kIpcSlotAlignment;
+}
+
+uint32_t round_of(uint64_t seq, uint32_t num_slots) { return static_cast<uint32_t>(seq / num_slots + 1); }
+
+template <typename T>
+void put(std::string& blob, size_t offset, const T& value) {
+  std::memcpy(&blob[offset], &value, sizeof(T));
+}
+
+template <typename T>
+T get(const std::string& blob, size_t offset) {
+  T value;
+  std::memcpy(&value, blob.data() + offset, sizeof(T));
+  return value;
+}
+
+cudaIpcMemHandle_t handle_at(const std::string& blob, size_t offset) {
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, blob.data() + offset, sizeof(handle));
+  return handle;
+}
+
+// Checks every region before anything is enqueued, so a bad message leaves the ring usable.
+void check_regions(const CopyRegion* regions, size_t count, size_t slot_bytes, uint32_t generation, uint64_t seq,
+                   const std::string& prefix) {
+  if (count > 0 && regions == nullptr) {
+    throw ProtocolError(prefix + ": message " + std::to_string(seq) + ": " + std::to_string(count) +
+                        " regions passed as a null pointer");
+  }
+  for (size_t i = 0; i < count; ++i) {
+    const CopyRegion& region = regions[i];
+    if (region.slot_offset > slot_bytes || region.bytes > slot_bytes - region.slot_offset) {
+      throw ProtocolError(prefix + ": message " + std::to_string(seq) + " region " + std::to_string(i) +
+                          ": slot_offset " + std::to_string(region.slot_offset) + " + bytes " +
+                          std::to_string(region.bytes) + " exceeds slot_bytes " + std::to_string(slot_bytes) +
+                          " (data generation " + std::to_string(generation) +
+                          "); the receiver must grow() and the sender update() first");
+    }
+    if (region.bytes > 0 && region.local == nullptr) {
+      throw ProtocolError(prefix + ": message " + std::to_string(seq) + " region " + std::to_string(i) +
+                          ": null local pointer for " + std::to_string(region.bytes) + " bytes");
+    }
+  }
+}
+
+void check_next_seq(uint64_t seq, uint64_t expected, const std::string& prefix, const char* what) {
+  if (seq != expected) {
+    throw ProtocolError(prefix + ": " + what + " got message seq " + std::to_string(seq) + ", expected " +
+                        std::to_string(expected) + " (sequence numbers go 0, 1, 2, ... per direction)");
+  }
+}
+
+// Runs release() on `device` once everything queued there has finished, then restores the
+// caller's device; for destructors, so every error is swallowed.
+template <typename Release>
+void release_after_sync(int device, Release&& release) noexcept {
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+  if (cudaSetDevice(device) == cudaSuccess) {
+    (void)cudaDeviceSynchronize();
+    release();
+  }
+  if (previous >= 0 && previous != device) (void)cudaSetDevice(previous);
+  (void)cudaGetLastError();
+}
+
+// The newest generation whose first message is at or before seq: where message seq lives.
+template <typename Generation>
+const Generation& generation_holding(const std::vector<Generation>& generations, uint64_t seq,
+                                     const std::string& error_prefix) {
+  for (auto it = generations.rbegin(); it != generations.rend(); ++it) {
+    if (it->first_seq <= seq) return *it;
+  }
+  throw ProtocolError(error_prefix + ": no data generation holds message " + std::to_string(seq) +
+                      " (the oldest starts at message " + std::to_string(generations.front().first_seq) + ")");
+}
+
+}  // namespace
+
+IpcRingHandleInfo parse_ipc_ring_handles(const std::string& handles) {
+  const std::string prefix = "pipecomm ipc ring";
+  if (handles.size() != kBlobBytes || get<uint32_t>(handles, kOffMagic) != kMagic) {
+    throw ProtocolError(prefix + ": not an ipc ring handle blob (" + std::to_string(handles.size()) +
+                        " bytes, expected " + std::to_string(kBlobBytes) + " with magic)");
+  }
+  const uint32_t version = get<uint32_t>(handles, kOffVersion);
+  if (version != kFormatVersion) {
+    throw ProtocolError(prefix + ": ipc ring handle blob of format version " + std::to_string(version) +
+                        ", this build reads version " + std::to_string(kFormatVersion));
+  }
+  IpcRingHandleInfo info;
+  const char* bus = handles.data() + kOffBusId;
+  info.pci_bus_id.assign(bus, strnlen(bus, kBusIdBytes));
+  info.owner_pid = get<int32_t>(handles, kOffPid);
+  info.num_slots = get<uint32_t>(handles, kOffNumSlots);
+  info.slot_bytes = get<uint64_t>(handles, kOffSlotBytes);
+  info.generation = get<uint32_t>(handles, kOffGeneration);
+  info.first_seq = get<uint64_t>(handles, kOffFirstSeq);
+  if (info.num_slots == 0 || info.num_slots > kMaxSlots || info.slot_bytes == 0 || info.pci_bus_id.empty()) {
+    throw ProtocolError(prefix + ": corrupt ipc ring handle blob (num_slots " + std::to_string(info.num_slots) +
+                        ", slot_bytes " + std::to_string(info.slot_bytes) + ")");
+  }
+  return info;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Receiver
+
+IpcRingReceiver::IpcRingReceiver(int device, uint32_t num_slots, size_t slot_bytes, std::string error_prefix)
+    : device_(device), num_slots_(num_slots), error_prefix_(prefix_or_default(std::move(error_prefix))) {
+  if (num_slots == 0 || num_slots > kMaxSlots) {
+    throw ProtocolError(error_prefix_ + ": num_slots must be in [1, " + std::to_string(kMaxSlots) + "], got " +
+                        std::to_string(num_slots));
+  }
+  driver_api(error_prefix_);  // fail early if the stream memory operations are unavailable
+  DeviceGuard guard(device_, error_prefix_);
+  try {
+    pci_bus_id_ = bus_id_of(device_, error_prefix_);
+    const size_t flags_bytes = size_t{2} * num_slots_ * kFlagLineBytes;
+    check_cuda(cudaMalloc(&flags_, flags_bytes), error_prefix_, "cudaMalloc",
+               "ring flags, " + std::to_string(flags_bytes) + " bytes on device " + std::to_string(device_));
+    // Zero on a private stream and wait for it, before the handles can reach any sender; no
+    // device-wide synchronization.
+    cudaStream_t stream = nullptr;
+    check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), error_prefix_, "cudaStreamCreateWithFlags");
+    cudaError_t error = cudaMemsetAsync(flags_, 0, flags_bytes, stream);
+    if (error == cudaSuccess) error = cudaStreamSynchronize(stream);
+    const cudaError_t destroy_error = cudaStreamDestroy(stream);
+    check_cuda(error, error_prefix_, "cudaMemsetAsync/cudaStreamSynchronize", "zeroing the ring flags");
+    check_cuda(destroy_error, error_prefix_, "cudaStreamDestroy");
+    check_cuda(cudaIpcGetMemHandle(&flags_handle_, flags_), error_prefix_, "cudaIpcGetMemHandle", "ring flags");
+    add_generation(slot_bytes, 0);
+  } catch (...) {
+    release_all();
+    throw;
+  }
+}
+
+IpcRingReceiver::~IpcRingReceiver() { release_all(); }
+
+void IpcRingReceiver::release_all() noexcept {
+  if (abandoned_ || (flags_ == nullptr && generations_.empty())) return;
+  // Receives still queued may read any generation: release_after_sync lets them finish first.
+  release_after_sync(device_, [&] {
+    for (Generation& generation : generations_) (void)cudaFree(generation.data);
+    if (flags_ != nullptr) (void)cudaFree(flags_);
+  });
+  generations_.clear();
+  flags_ = nullptr;
+}
+
+
+void IpcRingReceiver::add_generation(size_t slot_bytes, uint64_t first_seq) {
+  const size_t rounded = round_slot_bytes(slot_bytes, error_prefix_);
+  if (rounded > std::numeric_limits<size_t>::max() / num_slots_) {
+    throw ProtocolError(error_prefix_ + ": " + std::to_string(num_slots_) + " slots of " + std::to_string(rounded) +
+                        " bytes overflow");
+  }
+  const size_t total = rounded * num_slots_;
+  Generation generation{};
+  generation.generation = generations_.empty() ? 0 : generations_.back().generation + 1;
+  generation.first_seq = first_seq;
+  generation.slot_bytes = rounded;
+  check_cuda(cudaMalloc(&generation.data, total), error_prefix_, "cudaMalloc",
+             "ring data generation " + std::to_string(generation.generation) + ", " + std::to_string(num_slots_) +
+                 " slots of " + std::to_string(rounded) + " bytes on device " + std::to_string(device_));
+  const cudaError_t error = cudaIpcGetMemHandle(&generation.handle, generation.data);
+  if (error != cudaSuccess) {
+    (void)cudaFree(generation.data);
+    check_cuda(error, error_prefix_, "cudaIpcGetMemHandle",
+               "ring data generation " + std::to_string(generation.generation));
+  }
+  generations_.push_back(generation);
+}
+
+std::string IpcRingReceiver::serialize(const Generation& generation) const {
+  std::string blob(kBlobBytes, '\0');
+  put<uint32_t>(blob, kOffMagic, kMagic);
+  put<uint32_t>(blob, kOffVersion, kFormatVersion);
+  std::memcpy(&blob[kOffBusId], pci_bus_id_.data(), std::min(pci_bus_id_.size(), kBusIdBytes - 1));
+  put<int32_t>(blob, kOffPid, static_cast<int32_t>(getpid()));
+  put<uint32_t>(blob, kOffNumSlots, num_slots_);
+  put<uint64_t>(blob, kOffSlotBytes, static_cast<uint64_t>(generation.slot_bytes));
+  put<uint32_t>(blob, kOffGeneration, generation.generation);
+  put<uint64_t>(blob, kOffFirstSeq, generation.first_seq);
+  std::memcpy(&blob[kOffFlagsHandle], &flags_handle_, sizeof(flags_handle_));
+  std::memcpy(&blob[kOffDataHandle], &generation.handle, sizeof(generation.handle));
+  return blob;
+}
+
+std::string IpcRingReceiver::export_handles() const { return serialize(generations_.back()); }
+
+std::string IpcRingReceiver::grow(size_t min_slot_bytes, uint64_t first_seq) {
+  if (first_seq < next_seq_ || first_seq < generations_.back().first_seq) {
+    throw ProtocolError(error_prefix_ + ": cannot start a data generation at message " + std::to_string(first_seq) +
+                        ": message " + std::to_string(std::max(next_seq_, generations_.back().first_seq)) +
+                        " already uses the current one");
+  }
+  const size_t old_bytes = generations_.back().slot_bytes;
+  const size_t doubled = old_bytes > std::numeric_limits<size_t>::max() / 2 ? old_bytes : old_bytes * 2;
+  DeviceGuard guard(device_, error_prefix_);
+  add_generation(std::max(min_slot_bytes, doubled), first_seq);
+  return serialize(generations_.back());
+}
+
+void IpcRingReceiver::enqueue_receive(uint64_t seq, const CopyRegion* regions, size_t count, cudaStream_t stream) {
+  check_next_seq(seq, next_seq_, error_prefix_, "enqueue_receive");
+  const Generation& generation = generation_holding(generations_, seq, error_prefix_);
+  check_regions(regions, count, generation.slot_bytes, generation.generation, seq, error_prefix_);
+  const DriverApi& api = driver_api(error_prefix_);
+  DeviceGuard guard(device_, error_prefix_);
+
+  const uint32_t slot = static_cast<uint32_t>(seq % num_slots_);
+  const uint32_t round = round_of(seq, num_slots_);
+  char* flags = static_cast<char*>(flags_);
+  const void* ready = flags + size_t{slot} * kFlagLineBytes;
+  const void* ack = flags + (size_t{num_slots_} + slot) * kFlagLineBytes;
+  const char* slot_data = static_cast<const char*>(generation.data) + size_t{slot} * generation.slot_bytes;
+  // Built only on failure: this is the per-message hot path.
+  const auto what = [&] {
+    return "message " + std::to_string(seq) + ", slot " + std::to_string(slot) + ", round " + std::to_string(round);
+  };
+
+  // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
+  if (const CUresult result = api.wait_value32(stream, device_address(ready), round, CU_STREAM_WAIT_VALUE_GEQ);
+      result != CUDA_SUCCESS) {
+    check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "ready, " + what());
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (regions[i].bytes == 0) continue;
+    if (const cudaError_t error = cudaMemcpyAsync(regions[i].local, slot_data + regions[i].slot_offset,
+                                                  regions[i].bytes, cudaMemcpyDeviceToDevice, stream);
+        error != cudaSuccess) {
+      check_cuda(error, error_prefix_, "cudaMemcpyAsync", "out of the slot, " + what() + ", region " + std::to_string(i));
+    }
+  }
+  // The default flags order the write after the copies' memory accesses.
+  if (const CUresult result = api.write_value32(stream, device_address(ack), round, CU_STREAM_WRITE_VALUE_DEFAULT);
+      result != CUDA_SUCCESS) {
+    check_driver(result, api, error_prefix_, "cuStreamWriteValue32", "ack, " + what());
+  }
+  ++next_seq_;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Sender
+
+IpcRingSender::IpcRingSender(int device, const std::string& receiver_handles, std::string error_prefix)
+    : device_(device), error_prefix_(prefix_or_default(std::move(error_prefix))) {
+  IpcRingHandleInfo info;
+  try {
+    info = parse_ipc_ring_handles(receiver_handles);
+  } catch (const ProtocolError& error) {
+    throw ProtocolError(error_prefix_ + ": receiver handles: " + error.what());
+  }
+  pci_bus_id_ = info.pci_bus_id;
+  owner_pid_ = info.owner_pid;
+  num_slots_ = info.num_slots;
+  flags_handle_bytes_ = receiver_handles.substr(kOffFlagsHandle, sizeof(cudaIpcMemHandle_t));
+  driver_api(error_prefix_);
+  DeviceGuard guard(device_, error_prefix_);
+  try {
+    int peer = -1;
+    if (cudaDeviceGetByPCIBusId(&peer, pci_bus_id_.c_str()) != cudaSuccess) {
+      (void)cudaGetLastError();  // the receiver's GPU is not visible here; IPC may still map it
+      peer = -1;
+    }
+    peer_device_ = peer;
+    if (peer >= 0 && peer != device_) {
+      int can_access = 0;
+      check_cuda(cudaDeviceCanAccessPeer(&can_access, device_, peer), error_prefix_, "cudaDeviceCanAccessPeer",
+                 "device " + std::to_string(device_) + " -> " + std::to_string(peer));
+      if (!can_access) {
+        throw ChannelError(error_prefix_ + ": device " + std::to_string(device_) + " cannot access peer device " +
+                           std::to_string(peer) + " (" + pci_bus_id_ +
+                           ") directly, so CUDA IPC cannot connect them; use the host transport");
+      }
+      const cudaError_t error = cudaDeviceEnablePeerAccess(peer, 0);
+      if (error == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError();
+      } else {
+        check_cuda(error, error_prefix_, "cudaDeviceEnablePeerAccess",
+                   "device " + std::to_string(device_) + " -> " + std::to_string(peer));
+      }
+    }
+    check_cuda(cudaIpcOpenMemHandle(&flags_, handle_at(receiver_handles, kOffFlagsHandle),
+                                    cudaIpcMemLazyEnablePeerAccess),
+               error_prefix_, "cudaIpcOpenMemHandle",
+               "ring flags of pid " + std::to_string(owner_pid_) + " on " + pci_bus_id_);
+    Generation generation{};
+    generation.generation = info.generation;
+    generation.first_seq = info.first_seq;
+    generation.slot_bytes = static_cast<size_t>(info.slot_bytes);
+    check_cuda(cudaIpcOpenMemHandle(&generation.data, handle_at(receiver_handles, kOffDataHandle),
+                                    cudaIpcMemLazyEnablePeerAccess),
+               error_prefix_, "cudaIpcOpenMemHandle",
+               "ring data generation " + std::to_string(info.generation) + " of pid " + std::to_string(owner_pid_));
+    generations_.push_back(generation);
+  } catch (...) {
+    release_all();
+    throw;
+  }
+}
+
+IpcRingSender::~IpcRingSender() { release_all(); }
+
+void IpcRingSender::release_all() noexcept {
+  if (abandoned_ || (flags_ == nullptr && generations_.empty())) return;
+  // Sends still queued may touch any mapping: release_after_sync lets them finish first.
+  release_after_sync(device_, [&] {
+    for (Generation& generation : generations_) (void)cudaIpcCloseMemHandle(generation.data);
+    if (flags_ != nullptr) (void)cudaIpcCloseMemHandle(flags_);
+  });
+  generations_.clear();
+  flags_ = nullptr;
+}
+
+void IpcRingSender::update(const std::string& handles) {
+  IpcRingHandleInfo info;
+  try {
+    info = parse_ipc_ring_handles(handles);
+  } catch (const ProtocolError& error) {
+    throw ProtocolError(error_prefix_ + ": update: " + error.what());
+  }
+  if (info.pci_bus_id != pci_bus_id_ || info.owner_pid != owner_pid_ || info.num_slots != num_slots_ ||
+      handles.compare(kOffFlagsHandle, sizeof(cudaIpcMemHandle_t), flags_handle_bytes_) != 0) {
+    throw ProtocolError(error_prefix_ + ": update: handles of another receiver (pid " +
+                        std::to_string(info.owner_pid) + " on " + info.pci_bus_id + ", " +
+                        std::to_string(info.num_slots) + " slots; connected to pid " + std::to_string(owner_pid_) +
+                        " on " + pci_bus_id_ + ", " + std::to_string(num_slots_) + " slots)");
+  }
+  const Generation& newest = generations_.back();
+  if (info.generation <= newest.generation) return;  // already mapped (or superseded)
+  if (info.first_seq < next_seq_ || info.first_seq < newest.first_seq) {
+    throw ProtocolError(error_prefix_ + ": update: data generation " + std::to_string(info.generation) +
+                        " starts at message " + std::to_string(info.first_seq) + ", but message " +
+                        std::to_string(next_seq_ == 0 ? 0 : next_seq_ - 1) +
+                        " was already sent; the receiver must grow() before enqueue_receive() of the message the"
+                        " sender sends first into the new generation");
+  }
+  DeviceGuard guard(device_, error_prefix_);
+  Generation generation{};
+  generation.generation = info.generation;
+  generation.first_seq = info.first_seq;
+  generation.slot_bytes = static_cast<size_t>(info.slot_bytes);
+  check_cuda(cudaIpcOpenMemHandle(&generation.data, handle_at(handles, kOffDataHandle), cudaIpcMemLazyEnablePeerAccess),
+             error_prefix_, "cudaIpcOpenMemHandle",
+             "ring data generation " + std::to_string(info.generation) + " of pid " + std::to_string(owner_pid_));
+  generations_.push_back(generation);
+}
+
+void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t count, cudaStream_t stream) {
+  check_next_seq(seq, next_seq_, error_prefix_, "enqueue_send");
+  const Generation& generation = generation_holding(generations_, seq, error_prefix_);
+  check_regions(regions, count, generation.slot_bytes, generation.generation, seq, error_prefix_);
+  const DriverApi& api = driver_api(error_prefix_);
+  DeviceGuard guard(device_, error_prefix_);
+
+  const uint32_t slot = static_cast<uint32_t>(seq % num_slots_);
+  const uint32_t round = round_of(seq, num_slots_);
+  char* flags = static_cast<char*>(flags_);
+  const void* ready = flags + size_t{slot} * kFlagLineBytes;
+  const void* ack = flags + (size_t{num_slots_} + slot) * kFlagLineBytes;
+  char* slot_data = static_cast<char*>(generation.data) + size_t{slot} * generation.slot_bytes;
+  // Built only on failure: this is the per-message hot path.
+  const auto what = [&] {
+    return "message " + std::to_string(seq) + ", slot " + std::to_string(slot) + ", round " + std::to_string(round);
+  };
+
+  // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
+  if (seq >= num_slots_) {  // the slot's previous occupant (message seq - K) must have been copied out
+    if (const CUresult result = api.wait_value32(stream, device_address(ack), round - 1, CU_STREAM_WAIT_VALUE_GEQ);
+        result != CUDA_SUCCESS) {
+      check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "ack, " + what());
+    }
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (regions[i].bytes == 0) continue;
+    if (const cudaError_t error = cudaMemcpyAsync(slot_data + regions[i].slot_offset, regions[i].local,
+                                                  regions[i].bytes, cudaMemcpyDeviceToDevice, stream);
+        error != cudaSuccess) {
+      check_cuda(error, error_prefix_, "cudaMemcpyAsync", "into the peer slot, " + what() + ", region " + std::to_string(i));
+    }
+  }
+  // The default flags put a memory barrier before the write: the data is visible before the flag.
+  if (const CUresult result = api.write_value32(stream, device_address(ready), round, CU_STREAM_WRITE_VALUE_DEFAULT);
+      result != CUDA_SUCCESS) {
+    check_driver(result, api, error_prefix_, "cuStreamWriteValue32", "ready, " + what());
+  }
+  ++next_seq_;
+}
+
+void IpcRingSender::enqueue_wait_consumed(uint64_t seq, cudaStream_t stream) {
+  if (seq >= next_seq_) {
+    throw ProtocolError(error_prefix_ + ": enqueue_wait_consumed(" + std::to_string(seq) +
+                        "): that message was not sent yet (next is " + std::to_string(next_seq_) + ")");
+  }
+  const DriverApi& api = driver_api(error_prefix_);
+  DeviceGuard guard(device_, error_prefix_);
+  const uint32_t slot = static_cast<uint32_t>(seq % num_slots_);
+  const uint32_t round = round_of(seq, num_slots_);
+  const void* ack = static_cast<char*>(flags_) + (size_t{num_slots_} + slot) * kFlagLineBytes;
+  check_driver(api.wait_value32(stream, device_address(ack), round, CU_STREAM_WAIT_VALUE_GEQ), api, error_prefix_,
+               "cuStreamWaitValue32",
+               "ack, message " + std::to_string(seq) + ", slot " + std::to_string(slot) + ", round " +
+                   std::to_string(round));
+}
+
+}  // namespace pipecomm::transport

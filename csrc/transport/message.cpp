@@ -1,0 +1,120 @@
+// A channel message as the Python API sees it: checking, describing, encoding and allocating.
+#include "message.h"
+
+#include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstring>
+
+#include "shm_ring.h"
+
+namespace py = pybind11;
+
+namespace pipecomm::transport {
+namespace {
+
+template <typename T>
+void put(std::string& bytes, T value) {
+  bytes.append(reinterpret_cast<const char*>(&value), sizeof(T));
+}
+
+template <typename T>
+T take(const std::string& bytes, size_t& offset, const std::string& direction) {
+  if (offset + sizeof(T) > bytes.size()) throw ProtocolError(direction + ": truncated metadata message");
+  T value;
+  std::memcpy(&value, bytes.data() + offset, sizeof(T));
+  offset += sizeof(T);
+  return value;
+}
+
+}  // namespace
+
+Entries outgoing_entries(const py::sequence& entries, const at::Device& device, const std::string& direction) {
+  Entries checked;
+  checked.reserve(entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const py::handle entry = entries[i];
+    if (entry.is_none()) {
+      checked.emplace_back(std::nullopt);
+      continue;
+    }
+    if (!THPVariable_Check(entry.ptr())) {
+      throw py::type_error(direction + ": entry " + std::to_string(i) + " is a " +
+                           std::string(py::str(entry.get_type().attr("__name__"))) + ", not a tensor");
+    }
+    const at::Tensor& tensor = THPVariable_Unpack(entry.ptr());
+    TORCH_CHECK_VALUE(tensor.device() == device, direction, ": tensors[", i, "] is on ", tensor.device(),
+                      ", but this channel carries tensors on ", device);
+    checked.emplace_back(tensor.detach().contiguous());
+  }
+  return checked;
+}
+
+MessageMeta describe(const Entries& entries) {
+  MessageMeta meta(entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (!entries[i]) continue;
+    meta[i].present = true;
+    meta[i].dtype = entries[i]->scalar_type();
+    meta[i].sizes = entries[i]->sizes().vec();
+  }
+  return meta;
+}
+
+std::vector<at::Tensor> present_tensors(const Entries& entries) {
+  std::vector<at::Tensor> tensors;
+  for (const auto& entry : entries) {
+    if (entry) tensors.push_back(*entry);
+  }
+  return tensors;
+}
+
+std::string encode(const MessageMeta& meta) {
+  std::string bytes;
+  put<uint32_t>(bytes, static_cast<uint32_t>(meta.size()));
+  for (const EntryMeta& entry : meta) {
+    put<uint8_t>(bytes, entry.present ? 1 : 0);
+    if (!entry.present) continue;
+    put<int8_t>(bytes, static_cast<int8_t>(entry.dtype));
+    put<uint8_t>(bytes, static_cast<uint8_t>(entry.sizes.size()));
+    for (int64_t size : entry.sizes) put<int64_t>(bytes, size);
+  }
+  return bytes;
+}
+
+MessageMeta decode(const std::string& bytes, const std::string& direction) {
+  size_t offset = 0;
+  MessageMeta meta(take<uint32_t>(bytes, offset, direction));
+  for (EntryMeta& entry : meta) {
+    entry.present = take<uint8_t>(bytes, offset, direction) != 0;
+    if (!entry.present) continue;
+    entry.dtype = static_cast<at::ScalarType>(take<int8_t>(bytes, offset, direction));
+    entry.sizes.resize(take<uint8_t>(bytes, offset, direction));
+    for (int64_t& size : entry.sizes) size = take<int64_t>(bytes, offset, direction);
+  }
+  return meta;
+}
+
+Entries allocate(const MessageMeta& meta, const at::Device& device) {
+  Entries entries;
+  entries.reserve(meta.size());
+  for (const EntryMeta& entry : meta) {
+    if (entry.present) {
+      entries.emplace_back(at::empty(entry.sizes, at::TensorOptions().dtype(entry.dtype).device(device)));
+    } else {
+      entries.emplace_back(std::nullopt);
+    }
+  }
+  return entries;
+}
+
+py::tuple to_python(const Entries& entries) {
+  py::tuple result(entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    result[i] = entries[i] ? py::cast(*entries[i]) : py::none();
+  }
+  return result;
+}
+
+}  // namespace pipecomm::transport

@@ -1,0 +1,94 @@
+"""The CUDA-IPC channel's Python side: growing the peer's slots through the store, and a bounded close."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+
+from pipecomm.transport import Channel, ChannelTimeoutError
+
+__all__: list[str] = []
+
+_GROW_REQUEST = struct.Struct("<QQ")  # slot bytes needed, first message seq to use them
+# How often the grow service looks for requests: fast right after one, backing off while idle.
+_POLL_MIN_SECONDS = 0.001
+_POLL_MAX_SECONDS = 0.05
+
+
+class IpcChannel(Channel):
+    """CUDA tensors between processes of one host.
+
+    A send enqueues, on the channel's own stream, a wait until the peer has consumed the slot, one
+    cudaMemcpyAsync per tensor into the peer's slot (copy engines, no SMs) and a flag write; a
+    receive enqueues a wait on that flag, a copy out of its own slot and an acknowledgement. The
+    caller's stream and the channel's stream are ordered by events; the host never waits on the GPU.
+    """
+
+    backend = "ipc"
+
+    def __init__(self, rank, peer_rank, device, timeout, native, rendezvous):
+        super().__init__(rank, peer_rank, device, timeout)
+        self._native = native
+        self._rendezvous = rendezvous
+        self._recv = native.recv
+        self._grow_requests = 0
+        # The peer may need bigger slots while this rank is busy elsewhere: a thread answers at once,
+        # so two ranks sending oversized messages to each other cannot deadlock.
+        self._grow_service = threading.Thread(target=self._serve_grow_requests, daemon=True)
+        self._grow_service.start()
+
+    def _send(self, tensors):
+        needed = self._native.send(tensors)
+        if needed:
+            self._request_growth(needed)
+            self._native.send(tensors)
+
+    def _request_growth(self, needed: int) -> None:
+        self._grow_requests += 1
+        seq = self._native.next_send_seq
+        self._rendezvous.set(f"grow/{self._grow_requests}", _GROW_REQUEST.pack(needed, seq))
+        try:
+            handles = self._rendezvous.get_peer(f"grown/{self._grow_requests}")
+        except ChannelTimeoutError as error:
+            raise ChannelTimeoutError(
+                f"{self._describe_direction('send')}: rank {self.rank} timed out after {self.timeout:g} s waiting "
+                f"for rank {self.peer_rank} to grow its slots to {needed} bytes for message {seq}"
+            ) from error
+        self._native.update(handles)
+
+    def _serve_grow_requests(self) -> None:
+        # Polls with check(), which holds the store client only briefly: a blocking wait() would hold
+        # a TCPStore client's socket and stall the owner thread's own store calls.
+        store = self._rendezvous.store
+        request = 1
+        pause = _POLL_MIN_SECONDS
+        while not self._closed:
+            key = f"{self._rendezvous.prefix}/grow/{request}/{self.peer_rank}"
+            try:
+                asked = store.check([key])
+            except RuntimeError:  # the store is briefly unreachable
+                asked = False
+            if not asked:
+                time.sleep(pause)
+                pause = min(pause * 2, _POLL_MAX_SECONDS)
+                continue
+            needed, first_seq = _GROW_REQUEST.unpack(store.get(key))
+            self._rendezvous.set(f"grown/{request}", self._native.grow(needed, first_seq))
+            request += 1
+            pause = _POLL_MIN_SECONDS
+
+    def _close(self):
+        self._native.close()
+        self._grow_service.join(timeout=5)
+        # The rings free their memory once the copies queued on them are done; a peer that died
+        # mid-transfer would leave those waiting forever, so past the timeout the memory is leaked.
+        deadline = time.monotonic() + self.timeout
+        while not self._native.transfers_done():
+            if time.monotonic() > deadline:
+                self._native.abandon()
+                raise ChannelTimeoutError(
+                    f"pipecomm ipc channel rank {self.rank} <-> rank {self.peer_rank}: transfers still pending "
+                    f"{self.timeout:g} s after close; the peer is gone or stopped receiving"
+                )
+            time.sleep(0.001)

@@ -1,0 +1,770 @@
+// Native 2-process test of the CUDA-IPC ring (csrc/transport/ipc_ring.*). The parent forks before any
+// CUDA call: process A is the receiver on GPU 0, process B the sender on GPU 1 (or GPU 0 as well when
+// only one GPU is visible or the two cannot reach each other). They exchange the serialized handles
+// and grow requests over a socketpair, and report each case to the parent over a pipe.
+// Usage: test_ipc_ring [case]   (round_trip, stress or bandwidth; all by default)
+#include "../../csrc/transport/ipc_ring.h"
+
+#include <cuda_runtime_api.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../../csrc/transport/shm_ring.h"
+
+namespace {
+
+using namespace pipecomm::transport;
+using Clock = std::chrono::steady_clock;
+
+constexpr double kPeerTimeoutS = 60.0;   // one wait for the other process
+constexpr int kWatchdogS = 150;          // the parent kills both children after this
+constexpr size_t MiB = size_t{1} << 20;
+
+const char* g_role = "?";
+int g_results_fd = -1;
+std::string g_only_case;  // empty: all cases
+
+class TestFailure : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+[[noreturn]] void fail(const std::string& message) { throw TestFailure(message); }
+
+#define CHECK(condition, detail)                                                                       \
+  do {                                                                                                 \
+    if (!(condition)) fail(std::string(__FILE__ ":") + std::to_string(__LINE__) + ": CHECK(" #condition \
+                           ") failed: " + (detail));                                                   \
+  } while (0)
+
+void cuda_check(cudaError_t error, const char* call, int line) {
+  if (error != cudaSuccess) {
+    fail(std::string("line ") + std::to_string(line) + ": " + call + " failed: " + cudaGetErrorName(error) + ": " +
+         cudaGetErrorString(error));
+  }
+}
+#define CUDA_CHECK(call) cuda_check((call), #call, __LINE__)
+
+void log_line(const std::string& text) {
+  std::printf("[%s] %s\n", g_role, text.c_str());
+  std::fflush(stdout);
+}
+
+void report(char kind, const std::string& name, const std::string& detail = {}) {
+  std::string line = std::string(1, kind) + " " + g_role + "/" + name;
+  if (!detail.empty()) line += ": " + detail.substr(0, 1500);
+  for (char& c : line) {
+    if (c == '\n') c = ' ';
+  }
+  line += "\n";
+  // Under PIPE_BUF bytes, so the two children's lines never interleave.
+  if (write(g_results_fd, line.data(), line.size()) < 0) std::perror("write results");
+}
+
+// ---- socket framing --------------------------------------------------------------------------------
+
+void write_all(int fd, const void* data, size_t bytes) {
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = write(fd, p, bytes);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail(std::string("socket write failed: ") + std::strerror(errno));
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
+void read_all(int fd, void* data, size_t bytes, Clock::time_point deadline, const std::string& what) {
+  char* p = static_cast<char*>(data);
+  while (bytes > 0) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) fail("timed out waiting for the peer process: " + what);
+    pollfd pfd{fd, POLLIN, 0};
+    const int ready = poll(&pfd, 1, static_cast<int>(std::min<long long>(left, 1000)));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0) fail(std::string("poll failed: ") + std::strerror(errno));
+    if (ready == 0) continue;
+    const ssize_t n = read(fd, p, bytes);
+    if (n < 0 && errno == EINTR) continue;
+    if (n == 0) fail("the peer process closed the socket (it failed or died) while waiting for: " + what);
+    if (n < 0) fail(std::string("socket read failed: ") + std::strerror(errno));
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
+void send_frame(int fd, const std::string& payload) {
+  const uint64_t size = payload.size();
+  write_all(fd, &size, sizeof(size));
+  write_all(fd, payload.data(), payload.size());
+}
+
+std::string recv_frame(int fd, const std::string& what) {
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                          std::chrono::duration<double>(kPeerTimeoutS));
+  uint64_t size = 0;
+  read_all(fd, &size, sizeof(size), deadline, what);
+  CHECK(size < (uint64_t{1} << 24), "absurd frame size " + std::to_string(size));
+  std::string payload(size, '\0');
+  if (size > 0) read_all(fd, &payload[0], size, deadline, what);
+  return payload;
+}
+
+// Both sides enter each case together, so a desynchronized pair fails fast and clearly.
+void rendezvous(int fd, const std::string& name) {
+  send_frame(fd, "case " + name);
+  const std::string got = recv_frame(fd, "start of case " + name);
+  CHECK(got == "case " + name, "peer is at '" + got + "', this process at case " + name);
+}
+
+// ---- CUDA helpers ----------------------------------------------------------------------------------
+
+// Polls instead of cudaStreamSynchronize: a wait on a flag the peer never writes must fail the test,
+// not hang it.
+void sync_stream(cudaStream_t stream, const std::string& what, double timeout_s = kPeerTimeoutS) {
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                          std::chrono::duration<double>(timeout_s));
+  for (;;) {
+    const cudaError_t status = cudaStreamQuery(stream);
+    if (status == cudaSuccess) return;
+    if (status != cudaErrorNotReady) CUDA_CHECK(status);
+    if (Clock::now() > deadline) fail("timed out on the GPU: " + what);
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+// Owns what a case allocates. Released only after the case passed: after a failure a stream may wait
+// forever on a flag, and freeing or unmapping would synchronize on it, so the process exits instead.
+class Arena {
+ public:
+  Arena() = default;
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  ~Arena() {
+    for (auto it = cleanups_.rbegin(); it != cleanups_.rend(); ++it) (*it)();
+  }
+
+  template <typename T, typename... Args>
+  T& make(Args&&... args) {
+    T* object = new T(std::forward<Args>(args)...);
+    cleanups_.push_back([object] { delete object; });
+    return *object;
+  }
+  void* device(size_t bytes) {
+    void* p = nullptr;
+    CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 1)));
+    cleanups_.push_back([p] { cudaFree(p); });
+    return p;
+  }
+  unsigned char* pinned(size_t bytes) {
+    void* p = nullptr;
+    CUDA_CHECK(cudaMallocHost(&p, std::max<size_t>(bytes, 1)));
+    cleanups_.push_back([p] { cudaFreeHost(p); });
+    return static_cast<unsigned char*>(p);
+  }
+  cudaStream_t stream() {
+    cudaStream_t s = nullptr;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cleanups_.push_back([s] { cudaStreamDestroy(s); });
+    return s;
+  }
+  cudaEvent_t event() {
+    cudaEvent_t e = nullptr;
+    CUDA_CHECK(cudaEventCreate(&e));
+    cleanups_.push_back([e] { cudaEventDestroy(e); });
+    return e;
+  }
+
+ private:
+  std::vector<std::function<void()>> cleanups_;
+};
+
+struct Context {
+  int sock = -1;
+  int device = 0;
+  int other_device = -1;  // another visible GPU, or -1
+  bool receiver = false;
+};
+
+// Calls f with another GPU current: the ring ends must switch to their own and restore the caller's.
+void call_with_other_device_current(const Context& ctx, const std::function<void()>& f) {
+  if (ctx.other_device < 0) return f();
+  CUDA_CHECK(cudaSetDevice(ctx.other_device));
+  f();
+  int current = -1;
+  CUDA_CHECK(cudaGetDevice(&current));
+  CUDA_CHECK(cudaSetDevice(ctx.device));
+  CHECK(current == ctx.other_device, "the ring end left device " + std::to_string(current) + " current");
+}
+
+uint64_t splitmix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t next() { return state_ = splitmix(state_); }
+  uint64_t below(uint64_t n) { return n == 0 ? 0 : next() % n; }
+
+ private:
+  uint64_t state_;
+};
+
+template <typename F>
+void expect_protocol_error(F&& action, const std::string& must_contain, const std::string& what) {
+  try {
+    action();
+  } catch (const ProtocolError& error) {
+    CHECK(std::string(error.what()).find(must_contain) != std::string::npos,
+          what + ": ProtocolError without '" + must_contain + "': " + error.what());
+    return;
+  }
+  fail(what + ": no ProtocolError");
+}
+
+// ---- case 1: round trip of several regions ---------------------------------------------------------
+
+constexpr uint32_t kRoundTripSlots = 4;
+constexpr size_t kRoundTripSlotBytes = 1 * MiB;
+constexpr uint64_t kRoundTripMessages = 13;
+
+std::vector<CopyRegion> round_trip_layout(uint64_t seq) {
+  // local pointers are filled in by each side
+  return {
+      {nullptr, 0, 4096 + seq},
+      {nullptr, 8193, 1000 + 3 * seq},           // odd slot offset and size
+      {nullptr, 20000, 0},                       // empty region
+      {nullptr, 65536, 200000 - 7 * seq},
+      {nullptr, kRoundTripSlotBytes - 33, 33},   // ends exactly at the end of the slot
+  };
+}
+
+unsigned char round_trip_byte(uint64_t seq, size_t region, size_t index) {
+  const uint64_t word = splitmix(seq * 1000003 + region * 7919 + index / 8);
+  return static_cast<unsigned char>(word >> (8 * (index % 8)));
+}
+
+void round_trip_receiver(Context& ctx, Arena& arena) {
+  auto& ring = arena.make<IpcRingReceiver>(ctx.device, kRoundTripSlots, kRoundTripSlotBytes,
+                                           "test ipc channel rank 1 -> rank 0");
+  CHECK(ring.slot_bytes() == kRoundTripSlotBytes, std::to_string(ring.slot_bytes()));
+  CHECK(ring.num_slots() == kRoundTripSlots, "");
+  const std::string handles = ring.export_handles();
+  const IpcRingHandleInfo info = parse_ipc_ring_handles(handles);
+  CHECK(info.num_slots == kRoundTripSlots && info.slot_bytes == kRoundTripSlotBytes && info.generation == 0 &&
+            info.first_seq == 0 && info.owner_pid == getpid(),
+        "parsed handle info");
+  send_frame(ctx.sock, handles);
+  cudaStream_t stream = arena.stream();
+
+  // API misuse is refused before anything is enqueued.
+  std::vector<CopyRegion> bad = round_trip_layout(0);
+  bad[0].local = arena.device(1);
+  bad[3].slot_offset = kRoundTripSlotBytes - 10;
+  for (auto& r : bad) {
+    if (r.local == nullptr) r.local = bad[0].local;
+  }
+  expect_protocol_error([&] { ring.enqueue_receive(1, bad, stream); }, "expected 0", "out-of-order receive");
+  expect_protocol_error([&] { ring.enqueue_receive(0, bad, stream); }, "message 0 region 3", "oversized region");
+  CHECK(ring.next_seq() == 0, "a refused receive advanced the sequence");
+  expect_protocol_error([] { parse_ipc_ring_handles("not a handle blob"); }, "not an ipc ring handle", "garbage");
+
+  size_t bad_bytes = 0;
+  std::string first_bad;
+  for (uint64_t seq = 0; seq < kRoundTripMessages; ++seq) {
+    std::vector<CopyRegion> regions = round_trip_layout(seq);
+    for (auto& region : regions) {
+      region.local = arena.device(region.bytes);
+      CUDA_CHECK(cudaMemsetAsync(region.local, 0xEE, region.bytes, stream));
+    }
+    if (seq % 3 == 1) std::this_thread::sleep_for(std::chrono::microseconds(300));  // let the sender run ahead
+    if (seq % 2 == 1) {
+      call_with_other_device_current(ctx, [&] { ring.enqueue_receive(seq, regions, stream); });
+    } else {
+      ring.enqueue_receive(seq, regions, stream);
+    }
+    sync_stream(stream, "round trip receive " + std::to_string(seq));
+    for (size_t r = 0; r < regions.size(); ++r) {
+      std::vector<unsigned char> host(regions[r].bytes);
+      if (!host.empty()) CUDA_CHECK(cudaMemcpy(host.data(), regions[r].local, host.size(), cudaMemcpyDeviceToHost));
+      for (size_t i = 0; i < host.size(); ++i) {
+        if (host[i] != round_trip_byte(seq, r, i)) {
+          if (bad_bytes++ == 0) {
+            first_bad = "message " + std::to_string(seq) + " region " + std::to_string(r) + " byte " +
+                        std::to_string(i);
+          }
+        }
+      }
+    }
+  }
+  CHECK(bad_bytes == 0, std::to_string(bad_bytes) + " wrong bytes, first at " + first_bad);
+  CHECK(recv_frame(ctx.sock, "end of round trip") == "done", "");
+}
+
+void round_trip_sender(Context& ctx, Arena& arena) {
+  const std::string handles = recv_frame(ctx.sock, "receiver handles");
+  auto& ring = arena.make<IpcRingSender>(ctx.device, handles, "test ipc channel rank 1 -> rank 0");
+  CHECK(ring.slot_bytes() == kRoundTripSlotBytes && ring.num_slots() == kRoundTripSlots, "");
+  cudaStream_t stream = arena.stream();
+
+  std::vector<CopyRegion> bad = round_trip_layout(0);
+  bad[0].local = arena.device(1);
+  bad[1].slot_offset = kRoundTripSlotBytes + 1;
+  for (auto& r : bad) {
+    if (r.local == nullptr) r.local = bad[0].local;
+  }
+  expect_protocol_error([&] { ring.enqueue_send(3, bad, stream); }, "expected 0", "out-of-order send");
+  expect_protocol_error([&] { ring.enqueue_send(0, bad, stream); }, "message 0 region 1", "oversized region");
+  expect_protocol_error([&] { ring.enqueue_wait_consumed(0, stream); }, "not sent yet", "wait before send");
+  expect_protocol_error([&] { ring.update("garbage"); }, "not an ipc ring handle", "garbage update");
+  std::string foreign = handles;
+  foreign[100] = static_cast<char>(foreign[100] ^ 0x5A);  // flags handle of "another" receiver
+  expect_protocol_error([&] { ring.update(foreign); }, "another receiver", "foreign update");
+  ring.update(handles);  // the mapped generation again: ignored
+  CHECK(ring.next_seq() == 0 && ring.generation() == 0, "refused calls changed the sender");
+
+  for (uint64_t seq = 0; seq < kRoundTripMessages; ++seq) {
+    std::vector<CopyRegion> regions = round_trip_layout(seq);
+    for (size_t r = 0; r < regions.size(); ++r) {
+      std::vector<unsigned char> host(regions[r].bytes);
+      for (size_t i = 0; i < host.size(); ++i) host[i] = round_trip_byte(seq, r, i);
+      regions[r].local = arena.device(host.size());
+      if (!host.empty()) {
+        CUDA_CHECK(cudaMemcpyAsync(regions[r].local, host.data(), host.size(), cudaMemcpyHostToDevice, stream));
+        CUDA_CHECK(cudaStreamSynchronize(stream));  // `host` dies at the end of this iteration
+      }
+    }
+    if (seq % 2 == 1) {
+      call_with_other_device_current(ctx, [&] { ring.enqueue_send(seq, regions, stream); });
+    } else {
+      ring.enqueue_send(seq, regions, stream);
+    }
+  }
+  ring.enqueue_wait_consumed(kRoundTripMessages - 1, stream);
+  sync_stream(stream, "round trip: last message consumed");
+  send_frame(ctx.sock, "done");
+}
+
+// ---- case 2: ordering, flow control and growth under load --------------------------------------------
+
+constexpr uint32_t kStressSlots = 4;
+constexpr uint64_t kStressMessages = 2000;
+constexpr size_t kStressInitialSlotBytes = 512 * 1024;
+constexpr size_t kStressMaxBytes = 8 * MiB;
+constexpr size_t kStressMaxBatch = 6;
+// Message sources are windows of one pattern buffer at offsets that differ between nearby messages.
+constexpr size_t kPatternBytes = 1021 * 4096 + 64 + kStressMaxBytes;
+
+size_t stress_source_offset(uint64_t seq) { return (seq * 7919 % 1021) * 4096 + seq % 16; }
+
+struct StressMessage {
+  size_t bytes = 0;
+  size_t needed_slot_bytes = 0;
+  std::vector<CopyRegion> regions;  // local = offset into the message (as a pointer-sized integer)
+};
+
+// Both processes derive the same plan, standing in for the metadata the host channel carries.
+StressMessage stress_plan(uint64_t seq) {
+  Rng rng(seq ^ 0x5EEDull);
+  const size_t cap = seq < 300 ? kStressInitialSlotBytes - 64 : seq < 600 ? 2 * MiB - 64 : kStressMaxBytes;
+  StressMessage m;
+  if (seq == 300) {
+    m.bytes = 2 * MiB;  // forces the first grow
+  } else if (seq == 600) {
+    m.bytes = kStressMaxBytes;  // forces the second grow
+  } else {
+    switch (rng.below(10)) {
+      case 0: m.bytes = 0; break;
+      case 1: case 2: case 3: m.bytes = rng.below(4097); break;
+      case 4: case 5: case 6: m.bytes = rng.below(256 * 1024 + 1); break;
+      default: m.bytes = rng.below(cap + 1); break;
+    }
+  }
+  if (m.bytes == 0 && rng.below(2) == 0) return m;  // no regions at all
+  const size_t parts = 1 + rng.below(3);
+  std::vector<size_t> cuts{0, m.bytes};
+  for (size_t i = 1; i < parts; ++i) cuts.push_back(rng.below(m.bytes + 1));
+  std::sort(cuts.begin(), cuts.end());
+  size_t slot_offset = 0;
+  for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+    const size_t bytes = cuts[i + 1] - cuts[i];
+    m.regions.push_back({reinterpret_cast<void*>(cuts[i]), slot_offset, bytes});
+    m.needed_slot_bytes = slot_offset + bytes;
+    slot_offset = (slot_offset + bytes + 15) / 16 * 16;
+  }
+  return m;
+}
+
+std::vector<unsigned char> make_pattern() {
+  std::vector<unsigned char> pattern(kPatternBytes);
+  for (size_t i = 0; i < kPatternBytes; i += 8) {
+    const uint64_t word = splitmix(i / 8 + 12345);
+    std::memcpy(&pattern[i], &word, std::min<size_t>(8, kPatternBytes - i));
+  }
+  return pattern;
+}
+
+void stress_receiver(Context& ctx, Arena& arena) {
+  auto& ring = arena.make<IpcRingReceiver>(ctx.device, kStressSlots, kStressInitialSlotBytes,
+                                           "test ipc channel rank 1 -> rank 0 (stress)");
+  send_frame(ctx.sock, ring.export_handles());
+  const std::vector<unsigned char> pattern = make_pattern();
+  cudaStream_t stream = arena.stream();
+  std::vector<unsigned char*> dest(kStressMaxBatch);
+  std::vector<unsigned char*> host(kStressMaxBatch);
+  for (size_t i = 0; i < kStressMaxBatch; ++i) {
+    dest[i] = static_cast<unsigned char*>(arena.device(kStressMaxBytes));
+    host[i] = arena.pinned(kStressMaxBytes);
+  }
+  Rng rng(99);
+  size_t corrupted = 0, grows = 0, total_bytes = 0;
+  std::string corrupted_list;
+  const auto start = Clock::now();
+  uint64_t seq = 0;
+  while (seq < kStressMessages) {
+    const size_t batch = std::min<uint64_t>(1 + rng.below(kStressMaxBatch), kStressMessages - seq);
+    if (rng.below(4) == 0) std::this_thread::sleep_for(std::chrono::microseconds(100 + rng.below(400)));
+    std::vector<StressMessage> plans;
+    for (size_t b = 0; b < batch; ++b, ++seq) {
+      StressMessage m = stress_plan(seq);
+      if (m.needed_slot_bytes > ring.slot_bytes()) {
+        // The upper layer's job, simulated: the sender asked for bigger slots for this message.
+        const std::string request = recv_frame(ctx.sock, "grow request for message " + std::to_string(seq));
+        const std::string expected = "grow " + std::to_string(seq) + " " + std::to_string(m.needed_slot_bytes);
+        CHECK(request == expected, "got '" + request + "', expected '" + expected + "'");
+        send_frame(ctx.sock, ring.grow(m.needed_slot_bytes, seq));
+        ++grows;
+        CHECK(ring.slot_bytes() >= m.needed_slot_bytes, "grow gave too little");
+      }
+      if (m.bytes > 0) CUDA_CHECK(cudaMemsetAsync(dest[b], 0xA5, m.bytes, stream));
+      for (auto& region : m.regions) region.local = dest[b] + reinterpret_cast<uintptr_t>(region.local);
+      ring.enqueue_receive(seq, m.regions, stream);
+      if (m.bytes > 0) CUDA_CHECK(cudaMemcpyAsync(host[b], dest[b], m.bytes, cudaMemcpyDeviceToHost, stream));
+      total_bytes += m.bytes;
+      plans.push_back(std::move(m));
+    }
+    sync_stream(stream, "stress batch ending at message " + std::to_string(seq - 1));
+    for (size_t b = 0; b < batch; ++b) {
+      const uint64_t s = seq - batch + b;
+      if (plans[b].bytes > 0 &&
+          std::memcmp(host[b], pattern.data() + stress_source_offset(s), plans[b].bytes) != 0) {
+        if (++corrupted <= 10) corrupted_list += " " + std::to_string(s);
+      }
+    }
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  log_line("stress: " + std::to_string(kStressMessages) + " messages, " + std::to_string(total_bytes >> 20) +
+           " MiB, " + std::to_string(grows) + " grows, final slot " + std::to_string(ring.slot_bytes()) +
+           " bytes, generation " + std::to_string(ring.generation()) + ", " + std::to_string(corrupted) +
+           " corrupted, " + std::to_string(seconds) + " s");
+  CHECK(corrupted == 0, std::to_string(corrupted) + " corrupted messages, first:" + corrupted_list);
+  CHECK(grows >= 2 && ring.generation() == grows, "grew " + std::to_string(grows) + " times");
+  CHECK(recv_frame(ctx.sock, "end of stress") == "done", "");
+}
+
+void stress_sender(Context& ctx, Arena& arena) {
+  auto& ring = arena.make<IpcRingSender>(ctx.device, recv_frame(ctx.sock, "stress handles"),
+                                         "test ipc channel rank 1 -> rank 0 (stress)");
+  cudaStream_t stream = arena.stream();
+  const std::vector<unsigned char> pattern = make_pattern();
+  auto* source = static_cast<unsigned char*>(arena.device(kPatternBytes));
+  CUDA_CHECK(cudaMemcpy(source, pattern.data(), kPatternBytes, cudaMemcpyHostToDevice));
+  size_t grows = 0;
+  for (uint64_t seq = 0; seq < kStressMessages; ++seq) {
+    StressMessage m = stress_plan(seq);
+    if (m.needed_slot_bytes > ring.slot_bytes()) {
+      // Expected to refuse first, naming the message and the sizes.
+      expect_protocol_error(
+          [&] {
+            std::vector<CopyRegion> r = m.regions;
+            for (auto& region : r) region.local = source;
+            ring.enqueue_send(seq, r, stream);
+          },
+          "message " + std::to_string(seq) + " region", "oversized stress message");
+      send_frame(ctx.sock, "grow " + std::to_string(seq) + " " + std::to_string(m.needed_slot_bytes));
+      ring.update(recv_frame(ctx.sock, "grown handles for message " + std::to_string(seq)));
+      ++grows;
+      CHECK(ring.slot_bytes() >= m.needed_slot_bytes, "update did not adopt the grown slots");
+    }
+    const size_t base = stress_source_offset(seq);
+    for (auto& region : m.regions) region.local = source + base + reinterpret_cast<uintptr_t>(region.local);
+    ring.enqueue_send(seq, m.regions, stream);  // the host never blocks on the receiver
+  }
+  ring.enqueue_wait_consumed(kStressMessages - 1, stream);
+  sync_stream(stream, "stress: last message consumed");
+  CHECK(grows >= 2 && ring.generation() == grows, "updated " + std::to_string(grows) + " times");
+  send_frame(ctx.sock, "done");
+}
+
+// ---- case 3: bandwidth (printed, not asserted) ------------------------------------------------------
+
+struct BandwidthPhase {
+  const char* name;
+  size_t bytes;
+  int messages;
+  bool print;
+};
+constexpr BandwidthPhase kPhases[] = {
+    {"warm-up 64 MiB", 64 * MiB, 4, false},
+    {"64 MiB", 64 * MiB, 16, true},
+    {"256 MiB", 256 * MiB, 8, true},
+};
+constexpr uint32_t kBandwidthSlots = 4;
+
+void bandwidth_receiver(Context& ctx, Arena& arena) {
+  auto& ring = arena.make<IpcRingReceiver>(ctx.device, kBandwidthSlots, 64 * MiB, "test ipc bandwidth");
+  send_frame(ctx.sock, ring.export_handles());
+  cudaStream_t stream = arena.stream();
+  void* dest = arena.device(256 * MiB);
+  uint64_t seq = 0;
+  for (const BandwidthPhase& phase : kPhases) {
+    // The receives are enqueued before the sender starts its clock.
+    std::string handles;
+    if (phase.bytes > ring.slot_bytes()) handles = ring.grow(phase.bytes, seq);
+    for (int i = 0; i < phase.messages; ++i) {
+      CopyRegion region{dest, 0, phase.bytes};
+      ring.enqueue_receive(seq++, &region, 1, stream);
+    }
+    send_frame(ctx.sock, handles.empty() ? std::string("go") : handles);
+    sync_stream(stream, std::string("bandwidth phase ") + phase.name);
+    CHECK(recv_frame(ctx.sock, std::string("end of bandwidth phase ") + phase.name) == "done", "");
+  }
+}
+
+void bandwidth_sender(Context& ctx, Arena& arena, bool same_device) {
+  auto& ring = arena.make<IpcRingSender>(ctx.device, recv_frame(ctx.sock, "bandwidth handles"), "test ipc bandwidth");
+  cudaStream_t stream = arena.stream();
+  void* source = arena.device(256 * MiB);
+  CUDA_CHECK(cudaMemset(source, 0x3C, 256 * MiB));
+  cudaEvent_t start = arena.event();
+  cudaEvent_t stop = arena.event();
+  uint64_t seq = 0;
+  for (const BandwidthPhase& phase : kPhases) {
+    const std::string go = recv_frame(ctx.sock, std::string("go for bandwidth phase ") + phase.name);
+    if (go != "go") ring.update(go);
+    CUDA_CHECK(cudaEventRecord(start, stream));
+    for (int i = 0; i < phase.messages; ++i) {
+      CopyRegion region{source, 0, phase.bytes};
+      ring.enqueue_send(seq++, &region, 1, stream);
+    }
+    ring.enqueue_wait_consumed(seq - 1, stream);  // the receiver's ack of the last message is visible
+    CUDA_CHECK(cudaEventRecord(stop, stream));
+    sync_stream(stream, std::string("bandwidth phase ") + phase.name);
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (phase.print) {
+      const double bytes = static_cast<double>(phase.bytes) * phase.messages;
+      char line[256];
+      std::snprintf(line, sizeof(line), "bandwidth %s x %d: %.3f ms, %.1f GB/s (%s, %u slots; not asserted)",
+                    phase.name, phase.messages, ms, bytes / (ms * 1e-3) / 1e9,
+                    same_device ? "both ends on one GPU" : "GPU 1 -> GPU 0", kBandwidthSlots);
+      log_line(line);
+    }
+    send_frame(ctx.sock, "done");
+  }
+}
+
+// ---- process bodies ---------------------------------------------------------------------------------
+
+struct Case {
+  const char* name;
+  std::function<void(Context&, Arena&)> receiver;
+  std::function<void(Context&, Arena&)> sender;
+};
+
+// Runs the cases in order; after the first failure the pair is out of step, so the process reports and
+// exits at once (without freeing: a stream may wait forever on a flag the peer will not write).
+int run_child(Context& ctx, const std::vector<Case>& cases) {
+  for (const Case& c : cases) {
+    if (!g_only_case.empty() && g_only_case != c.name) continue;
+    auto* arena = new Arena();
+    try {
+      rendezvous(ctx.sock, c.name);
+      (ctx.receiver ? c.receiver : c.sender)(ctx, *arena);
+      delete arena;
+      report('P', c.name);
+      log_line(std::string("PASS ") + c.name);
+    } catch (const std::exception& error) {
+      report('F', c.name, error.what());
+      log_line(std::string("FAIL ") + c.name + ": " + error.what());
+      std::fflush(stdout);
+      close(ctx.sock);
+      _exit(1);
+    }
+  }
+  return 0;
+}
+
+int child_main(bool receiver, int sock) {
+  g_role = receiver ? "receiver" : "sender";
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess || count == 0) {
+    report('S', "setup", error != cudaSuccess ? cudaGetErrorString(error) : "0 devices");
+    return 0;
+  }
+  Context ctx;
+  ctx.sock = sock;
+  ctx.receiver = receiver;
+  bool same_device = true;
+  if (count >= 2) {
+    int can_access = 0;
+    if (cudaDeviceCanAccessPeer(&can_access, 1, 0) == cudaSuccess && can_access) {
+      same_device = false;
+    } else if (!receiver) {
+      log_line("note: GPU 1 cannot access GPU 0 directly; both ends use GPU 0");
+    }
+  } else if (!receiver) {
+    log_line("note: only one CUDA device visible; receiver and sender both use GPU 0 (IPC between two "
+             "processes on one device)");
+  }
+  ctx.device = receiver || same_device ? 0 : 1;
+  ctx.other_device = count >= 2 ? 1 - ctx.device : -1;
+  if (cudaSetDevice(ctx.device) != cudaSuccess) {
+    report('F', "setup", "cudaSetDevice failed");
+    return 1;
+  }
+  const std::vector<Case> cases = {
+      {"round_trip", round_trip_receiver, round_trip_sender},
+      {"stress", stress_receiver, stress_sender},
+      {"bandwidth", bandwidth_receiver,
+       [same_device](Context& c, Arena& a) { bandwidth_sender(c, a, same_device); }},
+  };
+  return run_child(ctx, cases);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  if (argc > 1) g_only_case = argv[1];
+  if (argc > 2 || (argc == 2 && g_only_case != "round_trip" && g_only_case != "stress" &&
+                   g_only_case != "bandwidth")) {
+    std::fprintf(stderr, "usage: %s [round_trip|stress|bandwidth]\n", argv[0]);
+    return 2;
+  }
+  // A child whose peer already exited must report the failure, not die writing to the socket.
+  signal(SIGPIPE, SIG_IGN);
+  // No CUDA call in this process: the children initialize CUDA after the fork.
+  int sockets[2];
+  int results[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM, 0, sockets) != 0 || pipe(results) != 0) {
+    std::perror("socketpair/pipe");
+    return 1;
+  }
+  std::fflush(stdout);
+  pid_t pids[2] = {-1, -1};
+  for (int role = 0; role < 2; ++role) {
+    const pid_t pid = fork();
+    if (pid < 0) {
+      std::perror("fork");
+      return 1;
+    }
+    if (pid == 0) {
+      close(results[0]);
+      close(sockets[1 - role]);
+      g_results_fd = results[1];
+      int status = 1;
+      try {
+        status = child_main(role == 0, sockets[role]);
+      } catch (const std::exception& error) {
+        std::fprintf(stderr, "[%s] unexpected: %s\n", role == 0 ? "receiver" : "sender", error.what());
+      }
+      std::fflush(stdout);
+      _exit(status);
+    }
+    pids[role] = pid;
+  }
+  close(results[1]);
+  close(sockets[0]);
+  close(sockets[1]);
+
+  bool crashed[2] = {false, false};
+  bool done[2] = {false, false};
+  const auto deadline = Clock::now() + std::chrono::seconds(kWatchdogS);
+  while (!done[0] || !done[1]) {
+    for (int role = 0; role < 2; ++role) {
+      if (done[role]) continue;
+      int status = 0;
+      const pid_t got = waitpid(pids[role], &status, WNOHANG);
+      if (got == pids[role]) {
+        done[role] = true;
+        crashed[role] = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        if (WIFSIGNALED(status)) {
+          std::printf("ipc_ring: %s process died of signal %d\n", role == 0 ? "receiver" : "sender",
+                      WTERMSIG(status));
+        }
+      }
+    }
+    if (Clock::now() > deadline) {
+      std::printf("ipc_ring: watchdog: killing the children after %d s\n", kWatchdogS);
+      for (int role = 0; role < 2; ++role) {
+        if (!done[role]) {
+          kill(pids[role], SIGKILL);
+          waitpid(pids[role], nullptr, 0);
+          done[role] = true;
+          crashed[role] = true;
+        }
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+
+  std::string lines;
+  char buffer[4096];
+  for (;;) {
+    const ssize_t n = read(results[0], buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    lines.append(buffer, static_cast<size_t>(n));
+  }
+  int passed = 0, failed = 0, skipped = 0;
+  bool reported_failure[2] = {false, false};
+  size_t begin = 0;
+  while (begin < lines.size()) {
+    size_t end = lines.find('\n', begin);
+    if (end == std::string::npos) end = lines.size();
+    const std::string line = lines.substr(begin, end - begin);
+    begin = end + 1;
+    if (line.empty()) continue;
+    if (line[0] == 'P') ++passed;
+    if (line[0] == 'S') ++skipped;
+    if (line[0] == 'F') {
+      ++failed;
+      std::printf("ipc_ring: FAILED %s\n", line.c_str() + 2);
+      reported_failure[line.find(" receiver/") == 1 ? 0 : 1] = true;
+    }
+  }
+  for (int role = 0; role < 2; ++role) {
+    if (crashed[role] && !reported_failure[role]) {
+      ++failed;
+      std::printf("ipc_ring: FAILED %s process exited abnormally\n", role == 0 ? "receiver" : "sender");
+    }
+  }
+  if (skipped > 0 && passed == 0 && failed == 0) {
+    std::printf("ipc_ring: 0 passed, 0 failed (skipped: no CUDA device)\n");
+    return 0;
+  }
+  std::printf("ipc_ring: %d passed, %d failed\n", passed, failed);
+  return failed == 0 && passed > 0 ? 0 : 1;
+}
