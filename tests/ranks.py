@@ -10,11 +10,13 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 
 def _entry(rank: int, world_size: int, store_path: str, results, fn, args) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Ranks share the machine's cores: more threads each would only make them contend.
+    torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)

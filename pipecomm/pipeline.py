@@ -1,0 +1,280 @@
+"""The user API: one rank's part of a pipeline, driven by ``step()`` inside an ordinary training loop."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipecomm import microbatch, transport
+from pipecomm.executor import GradientSink, StageExecutor
+from pipecomm.schedule import SCHEDULES, Schedule, make_schedule, validate
+
+__all__ = ["Pipeline"]
+
+
+class Pipeline:
+    """This rank's stages of a pipeline-parallel model.
+
+    Replace ``loss = loss_fn(model(x), y); loss.backward()`` with ``loss = pipe.step(x, target=y)``:
+    afterwards every parameter's ``.grad`` holds what that single-process backward on the whole
+    batch gives, so any optimizer works unchanged. Every rank may call ``step`` with the same
+    arguments; the first stage reads ``inputs``, the last ``target``, the others may pass None.
+
+    ``module``/``stage`` are one module and its stage index, or lists of them for interleaved
+    schedules (rank r holds stages r, r + p, r + 2p, ...). ``group`` is the pipeline's process
+    group, ordered by stage (default: the whole world).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | Sequence[nn.Module],
+        *,
+        stage: int | Sequence[int],
+        num_stages: int,
+        loss_fn: Callable,
+        micro_batches: int,
+        schedule: str = "1f1b",
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        transport: str = "auto",
+        timeout: float = transport.DEFAULT_TIMEOUT,
+        main_grad: bool = False,
+    ):
+        modules = list(module) if isinstance(module, (list, tuple)) else [module]
+        stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
+        self.group = group
+        self.num_ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        _check_configuration(modules, stages, num_stages, self.num_ranks, self.rank, schedule)
+        self.schedule: Schedule = make_schedule(schedule, self.num_ranks, micro_batches, len(stages))
+        validate(self.schedule)
+        _check_channel_order(self.schedule)
+        self.stages = sorted(stages)
+        self.num_stages = num_stages
+        self.micro_batches = micro_batches
+        self.modules = dict(zip(stages, modules))
+        self.device = torch.device(device) if device is not None else _module_device(modules)
+        self._sinks = {s: GradientSink(list(self.modules[s].parameters()), main_grad) for s in self.stages}
+        self._channels = self._connect(transport, timeout)
+        self._executor = StageExecutor(self.schedule, self.rank, self.modules, self._sinks, self._channels, loss_fn)
+        self._last_rank = self.schedule.stage_rank(num_stages - 1)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for stage in self.stages:
+            yield from self.modules[stage].parameters()
+
+    def step(self, *inputs, target=None) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the mean micro-batch loss on every rank."""
+        split_inputs = split_targets = None
+        if 0 in self.stages:
+            if not inputs:
+                raise ValueError("step: the first stage needs the batch inputs")
+            split_inputs = microbatch.split(inputs, self.micro_batches, "inputs", self.device)
+        if self.num_stages - 1 in self.stages:
+            if target is None:
+                raise ValueError("step: the last stage needs target=")
+            targets = target if isinstance(target, tuple) else (target,)
+            split_targets = microbatch.split(targets, self.micro_batches, "target", self.device)
+        loss = self._executor.run(split_inputs, split_targets)
+        if self.num_ranks == 1:
+            return loss
+        result = loss.float() if loss is not None else torch.zeros((), dtype=torch.float32, device=self._wire_device())
+        dist.broadcast(result, src=self._global_rank(self._last_rank), group=self.group)
+        return result
+
+    @torch.no_grad()
+    def forward(self, *inputs, broadcast_result: bool = False):
+        """Inference, micro-batched, without autograd: the full-batch output on the last stage.
+
+        With ``broadcast_result=True`` every rank of the pipeline gets it (autoregressive decoding).
+        """
+        split_inputs = microbatch.split(inputs, self.micro_batches, "inputs", self.device) if 0 in self.stages else None
+        outputs = []
+        for micro_batch in range(self.micro_batches):
+            for stage in self.stages:
+                if stage == 0:
+                    args = split_inputs[micro_batch]
+                else:
+                    args = self._channels[(self.schedule.stage_rank(stage - 1), "act")].recv()
+                output = self.modules[stage](*args)
+                if stage == self.num_stages - 1:
+                    outputs.append(output if isinstance(output, tuple) else (output,))
+                else:
+                    as_tuple = output if isinstance(output, tuple) else (output,)
+                    self._channels[(self.schedule.stage_rank(stage + 1), "act")].send(as_tuple)
+        result = microbatch.join(outputs) if outputs else None
+        if broadcast_result and self.num_ranks > 1:
+            result = self._broadcast_from_last(result)
+        if result is not None and len(result) == 1:
+            return result[0]
+        return result
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips every stage's gradients by the global norm across the whole pipeline; returns that norm."""
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"clip_grad_norm_: norm_type must be 2 or inf, not {norm_type}")
+        grads = [g for sink in self._sinks.values() for p in sink.params if (g := sink.target(p)) is not None]
+        device = self._wire_device()
+        if norm_type == math.inf:
+            local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros(())
+            op = dist.ReduceOp.MAX
+        else:
+            local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+            op = dist.ReduceOp.SUM
+        total = local.to(device)
+        if self.num_ranks > 1:
+            dist.all_reduce(total, op=op, group=self.group)
+        norm = total if norm_type == math.inf else total.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, scale.to(grads[0].device))
+        return norm
+
+    def trace(self, path: str) -> None:
+        """Writes a Chrome trace (chrome://tracing, Perfetto) of the last step's actions on every rank.
+
+        Collective: every rank of the pipeline calls it; the first one writes the file.
+        """
+        timeline = [(start, end, str(action), action.kind) for start, end, action in self._executor.timeline]
+        gathered = [None] * self.num_ranks if self.rank == 0 else None
+        if self.num_ranks > 1:
+            dist.gather_object(timeline, gathered, dst=self._global_rank(0), group=self.group)
+        else:
+            gathered = [timeline]
+        if self.rank != 0:
+            return
+        origin = min((events[0][0] for events in gathered if events), default=0.0)
+        trace_events = [
+            {
+                "name": name,
+                "ph": "X",
+                "ts": (start - origin) * 1e6,
+                "dur": (end - start) * 1e6,
+                "pid": rank,
+                "tid": "comm" if kind.startswith(("SEND", "RECV")) else "compute",
+            }
+            for rank, events in enumerate(gathered)
+            for start, end, name, kind in events
+        ]
+        with open(path, "w") as file:
+            json.dump({"traceEvents": trace_events, "displayTimeUnit": "ms"}, file)
+
+    def close(self) -> None:
+        for channel in set(self._channels.values()):
+            channel.close()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _connect(self, backend: str, timeout: float) -> dict[tuple[int, str], object]:
+        """Two channels (activations, gradients) to every neighbouring rank, opened in one global
+        order of rank pairs so that no two ranks wait on each other's connect."""
+        peers = set()
+        for stage in self.stages:
+            for neighbour in (stage - 1, stage + 1):
+                if 0 <= neighbour < self.num_stages:
+                    peers.add(self.schedule.stage_rank(neighbour))
+        channels: dict[tuple[int, str], object] = {}
+        for peer in sorted(peers, key=lambda peer: (min(peer, self.rank), max(peer, self.rank))):
+            for kind in ("act", "grad"):
+                if peer == self.rank:
+                    channels[(peer, kind)] = _Loopback()
+                else:
+                    channels[(peer, kind)] = transport.connect(
+                        self._global_rank(peer), self.group, backend, device=self.device, timeout=timeout
+                    )
+        return channels
+
+    def _global_rank(self, pipeline_rank: int) -> int:
+        return dist.get_global_rank(self.group, pipeline_rank) if self.group is not None else pipeline_rank
+
+    def _wire_device(self) -> torch.device:
+        """Where collectives over the pipeline group need their tensors."""
+        if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
+            return self.device
+        return torch.device("cpu")
+
+    def _broadcast_from_last(self, result):
+        source = self._global_rank(self._last_rank)
+        layout = [None if result is None else [None if t is None else (t.shape, t.dtype) for t in result]]
+        dist.broadcast_object_list(layout, src=source, group=self.group)
+        tensors = []
+        for index, entry in enumerate(layout[0]):
+            if entry is None:
+                tensors.append(None)
+                continue
+            wire = self._wire_device()
+            buffer = result[index].to(wire) if result is not None else torch.empty(entry[0], dtype=entry[1], device=wire)
+            dist.broadcast(buffer, src=source, group=self.group)
+            tensors.append(buffer.to(self.device))
+        return tuple(tensors)
+
+
+class _Loopback:
+    """A channel from a rank to itself, for interleaved stages that follow each other on one rank."""
+
+    def __init__(self):
+        self._messages: collections.deque = collections.deque()
+
+    def send(self, tensors) -> None:
+        self._messages.append(tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in tensors))
+
+    def recv(self) -> tuple:
+        return self._messages.popleft()
+
+    def close(self) -> None:
+        self._messages.clear()
+
+
+def _check_configuration(modules, stages, num_stages, num_ranks, rank, schedule) -> None:
+    """Every misconfiguration is a ValueError here, before any communication."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"Pipeline: unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if len(modules) != len(stages):
+        raise ValueError(f"Pipeline: got {len(modules)} modules but {len(stages)} stage indices")
+    if num_stages != num_ranks * len(stages):
+        raise ValueError(
+            f"Pipeline: num_stages={num_stages} must equal the pipeline group size ({num_ranks}) times the "
+            f"stages per rank ({len(stages)})"
+        )
+    for stage in stages:
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"Pipeline: stage {stage} is out of range for num_stages={num_stages}")
+    expected = [rank + chunk * num_ranks for chunk in range(len(stages))]
+    if sorted(stages) != expected:
+        raise ValueError(
+            f"Pipeline: rank {rank} of {num_ranks} holds stages {expected} (stage s runs on rank s % {num_ranks}), "
+            f"got {sorted(stages)}"
+        )
+
+
+def _check_channel_order(schedule: Schedule) -> None:
+    """Channels deliver in order, so each rank must receive from a channel in the order the peer sends."""
+    sent: dict[tuple[int, int, str], list] = collections.defaultdict(list)
+    received: dict[tuple[int, int, str], list] = collections.defaultdict(list)
+    for rank, actions in enumerate(schedule.actions):
+        for action in actions:
+            if action.kind == "SEND_F":
+                sent[(rank, schedule.stage_rank(action.stage + 1), "act")].append((action.stage + 1, action.micro_batch))
+            elif action.kind == "SEND_B":
+                sent[(rank, schedule.stage_rank(action.stage - 1), "grad")].append((action.stage - 1, action.micro_batch))
+            elif action.kind == "RECV_F":
+                received[(schedule.stage_rank(action.stage - 1), rank, "act")].append((action.stage, action.micro_batch))
+            elif action.kind == "RECV_B":
+                received[(schedule.stage_rank(action.stage + 1), rank, "grad")].append((action.stage, action.micro_batch))
+    for key, order in sent.items():
+        if received[key] != order:
+            raise ValueError(f"schedule {schedule.name!r}: rank {key[1]} receives {key[2]} messages from rank {key[0]} "
+                             f"out of the order they are sent: {order} vs {received[key]}")
+
+
+def _module_device(modules) -> torch.device:
+    for module in modules:
+        for param in module.parameters():
+            return param.device
+    return torch.device("cpu")

@@ -1,0 +1,495 @@
+"""Pipeline schedules as pure data: per-rank action lists, their generators, a validator and a simulator."""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "COMMUNICATION_KINDS",
+    "COMPUTE_KINDS",
+    "DEFAULT_COSTS",
+    "SCHEDULES",
+    "Action",
+    "Schedule",
+    "SimulationResult",
+    "make_schedule",
+    "simulate",
+    "validate",
+]
+
+COMPUTE_KINDS = ("F", "B", "I", "W")
+COMMUNICATION_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+DEFAULT_COSTS: Mapping[str, float] = types.MappingProxyType(
+    {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "SEND_F": 0.0, "RECV_F": 0.0, "SEND_B": 0.0, "RECV_B": 0.0}
+)
+
+# Schedules that run a steady state need every rank to have finished its warm-up before the first
+# backward reaches it (MindFormers' micro_batch_num >= stages).
+_NEEDS_MICRO_BATCHES_PER_RANK = ("1f1b", "interleaved-1f1b", "zb-h1")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's program: a compute pass of one stage on one micro-batch, or one end of a transfer.
+
+    F is the forward, B the full backward; I (grad of the input) and W (grad of the weights) together
+    replace B. SEND_F(s) sends stage s's output to stage s + 1 and RECV_F(s) receives stage s's input;
+    SEND_B(s) sends the grad of stage s's input to stage s - 1 and RECV_B(s) receives the grad of stage
+    s's output.
+    """
+
+    kind: str
+    stage: int
+    micro_batch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in COMPUTE_KINDS + COMMUNICATION_KINDS:
+            known = ", ".join(COMPUTE_KINDS + COMMUNICATION_KINDS)
+            raise ValueError(f"Action: kind must be one of {known}, not {self.kind!r}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.stage}.{self.micro_batch}"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What every rank runs, in order. Placement is looped: stage s lives on rank s % num_ranks."""
+
+    name: str
+    num_ranks: int
+    num_stages: int
+    micro_batches: int
+    actions: tuple[tuple[Action, ...], ...]  # actions[rank], in execution order
+
+    def stage_rank(self, stage: int) -> int:
+        return stage % self.num_ranks
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(range(rank, self.num_stages, self.num_ranks))
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """Timing of one training step. Only compute (F, B, I, W) counts as busy; waiting and transfers are bubble."""
+
+    step_time: float
+    bubble_fraction: float  # 1 - total compute time / (num_ranks * step_time)
+    busy_time: tuple[float, ...]  # per rank
+    # Per rank, the most (stage, micro-batch) pairs whose F has run and whose B (or W) has not.
+    peak_activations: tuple[int, ...]
+    timeline: tuple[tuple[tuple[float, float, Action], ...], ...]  # per rank: (start, end, action) of compute
+
+
+def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
+    """Builds the named schedule with its communication actions placed.
+
+    "gpipe": every forward in micro-batch order, then every backward in the same order (as
+    torch.distributed.pipelining's ScheduleGPipe). "1f1b": Megatron's non-interleaved schedule
+    (PipeDream-flush). "interleaved-1f1b": Megatron's forward_backward_pipelining_with_interleaving,
+    ``virtual_stages`` model chunks per rank. "zb-h1": ZB-H1 of Qi et al., "Zero Bubble Pipeline
+    Parallelism" (ICLR 2024), the backward split into I and W.
+
+    Every RECV sits immediately before the compute that consumes it and every SEND immediately
+    after the compute that produces it.
+    """
+    _check_schedule_arguments(name, num_ranks, micro_batches, virtual_stages)
+    num_stages = num_ranks * virtual_stages
+    compute_order = _COMPUTE_ORDERS[name]
+    actions = tuple(
+        _with_communication(compute_order(rank, num_ranks, micro_batches, virtual_stages), num_stages)
+        for rank in range(num_ranks)
+    )
+    return Schedule(name, num_ranks, num_stages, micro_batches, actions)
+
+
+def validate(schedule: Schedule, buffer_slots: int = 4) -> None:
+    """Raises ValueError naming the first defect: a missing, duplicated or misplaced action, an
+    unmatched transfer, a rank that runs an action before one it depends on, or a deadlock.
+
+    The deadlock check runs all ranks together: a RECV blocks until its SEND has run on the peer,
+    and a SEND blocks while its channel (one per direction per pair of ranks) already holds
+    ``buffer_slots`` messages that have not been received.
+    """
+    if buffer_slots < 1:
+        raise ValueError(f"validate: buffer_slots must be >= 1, got {buffer_slots}")
+    _check_structure(schedule)
+    _execute(schedule, lambda action: 0.0, 0.0, buffer_slots)
+
+
+def simulate(
+    schedule: Schedule,
+    costs: Mapping[str, float] | Callable[[Action], float] | None = None,
+    comm_time: float = 0.0,
+    *,
+    buffer_slots: int | None = None,
+) -> SimulationResult:
+    """Runs the schedule event by event, with the blocking rules of ``validate``.
+
+    ``costs`` maps an action kind to its duration (kinds left out keep ``DEFAULT_COSTS``: F=1, B=2,
+    I=1, W=1, transfers 0) or is a function of the whole action, called for transfers too. A message
+    can be received ``comm_time`` after its SEND completes. ``buffer_slots=None`` never blocks a SEND.
+    Raises ValueError for a malformed schedule and for a deadlock, as ``validate`` does.
+    """
+    if comm_time < 0:
+        raise ValueError(f"simulate: comm_time must be >= 0, got {comm_time}")
+    if buffer_slots is not None and buffer_slots < 1:
+        raise ValueError(f"simulate: buffer_slots must be >= 1 or None, got {buffer_slots}")
+    _check_structure(schedule)
+    timeline, finish_times = _execute(schedule, _duration_function(costs), comm_time, buffer_slots)
+    step_time = max(finish_times)
+    busy_time = tuple(sum(end - start for start, end, _ in rank_timeline) for rank_timeline in timeline)
+    # A schedule of zero-cost actions takes no time and so wastes none.
+    bubble_fraction = 1.0 - sum(busy_time) / (schedule.num_ranks * step_time) if step_time > 0 else 0.0
+    return SimulationResult(
+        step_time=step_time,
+        bubble_fraction=bubble_fraction,
+        busy_time=busy_time,
+        peak_activations=tuple(_peak_activations(program) for program in schedule.actions),
+        timeline=tuple(tuple(rank_timeline) for rank_timeline in timeline),
+    )
+
+
+def _check_schedule_arguments(name: str, num_ranks: int, micro_batches: int, virtual_stages: int) -> None:
+    if name not in SCHEDULES:
+        raise ValueError(f"make_schedule: unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    if num_ranks < 1:
+        raise ValueError(f"make_schedule: num_ranks must be >= 1, got {num_ranks}")
+    if micro_batches < 1:
+        raise ValueError(f"make_schedule: micro_batches must be >= 1, got {micro_batches}")
+    if name in _NEEDS_MICRO_BATCHES_PER_RANK and micro_batches < num_ranks:
+        raise ValueError(
+            f"make_schedule: {name!r} needs micro_batches >= num_ranks, "
+            f"got micro_batches={micro_batches}, num_ranks={num_ranks}"
+        )
+    if name == "interleaved-1f1b":
+        if virtual_stages < 2:
+            raise ValueError(
+                f"make_schedule: 'interleaved-1f1b' needs virtual_stages >= 2 (model chunks per rank), "
+                f"got {virtual_stages}"
+            )
+        if micro_batches % num_ranks != 0:
+            raise ValueError(
+                f"make_schedule: 'interleaved-1f1b' needs micro_batches to be a multiple of num_ranks, "
+                f"got micro_batches={micro_batches}, num_ranks={num_ranks}"
+            )
+    elif virtual_stages != 1:
+        raise ValueError(
+            f"make_schedule: {name!r} runs one stage per rank and needs virtual_stages == 1, got {virtual_stages}"
+        )
+
+
+def _gpipe_order(rank: int, num_ranks: int, micro_batches: int, virtual_stages: int) -> list[Action]:
+    forwards = [Action("F", rank, micro_batch) for micro_batch in range(micro_batches)]
+    backwards = [Action("B", rank, micro_batch) for micro_batch in range(micro_batches)]
+    return forwards + backwards
+
+
+def _one_f_one_b_order(rank: int, num_ranks: int, micro_batches: int, virtual_stages: int) -> list[Action]:
+    # Rank r's p - r - 1 warm-up forwards keep the ranks after it busy until the first backward
+    # comes back; then each forward is paired with the oldest pending backward, and the backwards
+    # of the last micro-batches drain at the end.
+    num_warmup = num_ranks - rank - 1
+    order = [Action("F", rank, micro_batch) for micro_batch in range(num_warmup)]
+    for micro_batch in range(micro_batches):
+        if num_warmup + micro_batch < micro_batches:
+            order.append(Action("F", rank, num_warmup + micro_batch))
+        order.append(Action("B", rank, micro_batch))
+    return order
+
+
+def _interleaved_order(rank: int, num_ranks: int, micro_batches: int, virtual_stages: int) -> list[Action]:
+    # Megatron's order over virtual micro-batches (model chunk, micro-batch): groups of num_ranks
+    # micro-batches go through chunk 0, then chunk 1, ..., then the next group; backwards visit the
+    # chunks last to first.
+    num_virtual = micro_batches * virtual_stages
+    group_size = num_ranks * virtual_stages
+
+    def micro_batch_of(virtual: int) -> int:
+        return virtual // group_size * num_ranks + virtual % num_ranks
+
+    def forward(virtual: int) -> Action:
+        chunk = virtual // num_ranks % virtual_stages
+        return Action("F", chunk * num_ranks + rank, micro_batch_of(virtual))
+
+    def backward(virtual: int) -> Action:
+        chunk = virtual_stages - 1 - virtual // num_ranks % virtual_stages
+        return Action("B", chunk * num_ranks + rank, micro_batch_of(virtual))
+
+    num_warmup = min((num_ranks - rank - 1) * 2 + (virtual_stages - 1) * num_ranks, num_virtual)
+    order = [forward(virtual) for virtual in range(num_warmup)]
+    for virtual in range(num_virtual):
+        if num_warmup + virtual < num_virtual:
+            order.append(forward(num_warmup + virtual))
+        order.append(backward(virtual))
+    return order
+
+
+def _zb_h1_order(rank: int, num_ranks: int, micro_batches: int, virtual_stages: int) -> list[Action]:
+    # 1F1B with B split: I stays on the critical path where B was, and rank r runs each W r
+    # micro-batches late. Every rank then holds num_ranks activations at its peak, the most any rank
+    # holds in 1F1B (rank 0), and the late Ws fill the cool-down, where later ranks would idle.
+    num_warmup = num_ranks - rank - 1
+    order = [Action("F", rank, micro_batch) for micro_batch in range(num_warmup)]
+    for micro_batch in range(micro_batches):
+        if num_warmup + micro_batch < micro_batches:
+            order.append(Action("F", rank, num_warmup + micro_batch))
+        order.append(Action("I", rank, micro_batch))
+        if micro_batch >= rank:
+            order.append(Action("W", rank, micro_batch - rank))
+    order += [Action("W", rank, micro_batch) for micro_batch in range(micro_batches - rank, micro_batches)]
+    return order
+
+
+_COMPUTE_ORDERS: dict[str, Callable[[int, int, int, int], list[Action]]] = {
+    "gpipe": _gpipe_order,
+    "1f1b": _one_f_one_b_order,
+    "interleaved-1f1b": _interleaved_order,
+    "zb-h1": _zb_h1_order,
+}
+
+
+def _with_communication(compute_order: list[Action], num_stages: int) -> tuple[Action, ...]:
+    last_stage = num_stages - 1
+    actions: list[Action] = []
+    for action in compute_order:
+        stage, micro_batch = action.stage, action.micro_batch
+        is_backward = action.kind in ("B", "I")
+        if action.kind == "F" and stage > 0:
+            actions.append(Action("RECV_F", stage, micro_batch))
+        if is_backward and stage < last_stage:
+            actions.append(Action("RECV_B", stage, micro_batch))
+        actions.append(action)
+        if action.kind == "F" and stage < last_stage:
+            actions.append(Action("SEND_F", stage, micro_batch))
+        if is_backward and stage > 0:
+            actions.append(Action("SEND_B", stage, micro_batch))
+    return tuple(actions)
+
+
+def _counterpart(transfer: Action) -> Action:
+    """The other end of a transfer: the RECV that a SEND feeds, or the SEND that a RECV waits for."""
+    stage, micro_batch = transfer.stage, transfer.micro_batch
+    if transfer.kind == "SEND_F":
+        return Action("RECV_F", stage + 1, micro_batch)
+    if transfer.kind == "RECV_F":
+        return Action("SEND_F", stage - 1, micro_batch)
+    if transfer.kind == "SEND_B":
+        return Action("RECV_B", stage - 1, micro_batch)
+    return Action("SEND_B", stage + 1, micro_batch)
+
+
+def _check_structure(schedule: Schedule) -> None:
+    if schedule.num_ranks < 1 or len(schedule.actions) != schedule.num_ranks:
+        raise ValueError(f"schedule has {len(schedule.actions)} action lists for num_ranks={schedule.num_ranks}")
+    # Every action once, where it belongs: (rank, index in that rank's list).
+    positions: dict[Action, tuple[int, int]] = {}
+    for rank, program in enumerate(schedule.actions):
+        for index, action in enumerate(program):
+            if not 0 <= action.stage < schedule.num_stages:
+                raise ValueError(f"{action} on rank {rank}: stage outside [0, {schedule.num_stages})")
+            if not 0 <= action.micro_batch < schedule.micro_batches:
+                raise ValueError(f"{action} on rank {rank}: micro-batch outside [0, {schedule.micro_batches})")
+            if schedule.stage_rank(action.stage) != rank:
+                raise ValueError(
+                    f"{action} is on rank {rank}, but stage {action.stage} is held by rank "
+                    f"{schedule.stage_rank(action.stage)}"
+                )
+            if action in positions:
+                first_rank, first_index = positions[action]
+                raise ValueError(
+                    f"{action} appears twice: rank {first_rank} position {first_index} and rank {rank} position {index}"
+                )
+            positions[action] = (rank, index)
+
+    last_stage = schedule.num_stages - 1
+    for stage in range(schedule.num_stages):
+        for micro_batch in range(schedule.micro_batches):
+            _check_passes(stage, micro_batch, positions)
+            backward_kind = "B" if Action("B", stage, micro_batch) in positions else "I"
+            # Each compute pass with the transfers that feed it and carry its result on.
+            needs = [("F", "RECV_F", stage > 0), ("F", "SEND_F", stage < last_stage)]
+            needs += [(backward_kind, "RECV_B", stage < last_stage), (backward_kind, "SEND_B", stage > 0)]
+            for compute_kind, transfer_kind, needed in needs:
+                compute = Action(compute_kind, stage, micro_batch)
+                transfer = Action(transfer_kind, stage, micro_batch)
+                if needed and transfer not in positions:
+                    peer = _counterpart(transfer)
+                    purpose = "to receive" if transfer_kind.startswith("RECV") else "to feed"
+                    raise ValueError(
+                        f"{compute} on rank {positions[compute][0]} has no {transfer} {purpose} {peer} "
+                        f"on rank {schedule.stage_rank(peer.stage)}"
+                    )
+
+    # Every transfer between two existing stages is now paired: both ends are needed by compute
+    # passes that exist. What is left are transfers off either end of the pipeline.
+    for action, (rank, _) in positions.items():
+        if action.is_compute:
+            continue
+        peer_stage = _counterpart(action).stage
+        if not 0 <= peer_stage <= last_stage:
+            raise ValueError(f"{action} on rank {rank}: stage {action.stage} has no neighbour stage {peer_stage}")
+
+    for action in positions:
+        for prerequisite in _local_prerequisites(action):
+            if prerequisite in positions and positions[prerequisite][1] > positions[action][1]:
+                rank, index = positions[action]
+                raise ValueError(
+                    f"rank {rank} runs {action} (position {index}) before {prerequisite} "
+                    f"(position {positions[prerequisite][1]}), which it depends on"
+                )
+
+
+def _check_passes(stage: int, micro_batch: int, positions: Mapping[Action, tuple[int, int]]) -> None:
+    present = {kind for kind in COMPUTE_KINDS if Action(kind, stage, micro_batch) in positions}
+    where = f"stage {stage}, micro-batch {micro_batch}"
+    if "F" not in present:
+        raise ValueError(f"{where} has no forward F{stage}.{micro_batch}")
+    if "B" in present and present & {"I", "W"}:
+        split = " and ".join(f"{kind}{stage}.{micro_batch}" for kind in ("I", "W") if kind in present)
+        raise ValueError(f"{where} mixes a full backward B{stage}.{micro_batch} with {split}")
+    if "B" not in present and present != {"F", "I", "W"}:
+        raise ValueError(
+            f"{where} has no complete backward: needs B{stage}.{micro_batch}, "
+            f"or both I{stage}.{micro_batch} and W{stage}.{micro_batch}"
+        )
+
+
+def _local_prerequisites(action: Action) -> tuple[Action, ...]:
+    """Actions of the same rank that must come before ``action`` (those absent from the schedule are skipped)."""
+    stage, micro_batch = action.stage, action.micro_batch
+    if action.kind == "F":
+        kinds: tuple[str, ...] = ("RECV_F",)
+    elif action.kind in ("B", "I"):
+        kinds = ("F", "RECV_B")
+    elif action.kind == "W":
+        kinds = ("I",)
+    elif action.kind == "SEND_F":
+        kinds = ("F",)
+    elif action.kind == "SEND_B":
+        kinds = ("B", "I")
+    else:
+        kinds = ()
+    return tuple(Action(kind, stage, micro_batch) for kind in kinds)
+
+
+def _duration_function(costs: Mapping[str, float] | Callable[[Action], float] | None) -> Callable[[Action], float]:
+    if callable(costs):
+        return costs
+    table = dict(DEFAULT_COSTS)
+    if costs is not None:
+        unknown = sorted(set(costs) - set(table))
+        if unknown:
+            known = ", ".join(table)
+            raise ValueError(f"simulate: unknown action kinds in costs: {', '.join(unknown)}; known: {known}")
+        table.update(costs)
+    return lambda action: table[action.kind]
+
+
+def _execute(
+    schedule: Schedule,
+    duration: Callable[[Action], float],
+    comm_time: float,
+    buffer_slots: int | None,
+) -> tuple[list[list[tuple[float, float, Action]]], list[float]]:
+    """Runs every rank's list in order, in global time order; returns the compute timeline and each rank's finish.
+
+    A message occupies a slot of its channel from the start of its SEND until its RECV completes.
+    """
+    programs = schedule.actions
+    num_ranks = schedule.num_ranks
+
+    def peer_rank(transfer: Action) -> int:
+        return schedule.stage_rank(_counterpart(transfer).stage)
+
+    next_index = [0] * num_ranks
+    running: list[Action | None] = [None] * num_ranks
+    finish_times = [0.0] * num_ranks
+    timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(num_ranks)]
+    deliveries: dict[Action, float] = {}  # SEND -> when its message can be received
+    messages_in_channel: collections.Counter[tuple[int, int]] = collections.Counter()  # (source, target)
+    blocked_senders: dict[tuple[int, int], int] = {}  # channel -> the rank waiting for a free slot
+    blocked_receivers: dict[Action, int] = {}  # SEND not yet run -> the rank waiting for its message
+
+    # Ties in time go to the earlier-scheduled event, so runs are deterministic.
+    tie_breaker = itertools.count()
+    events = [(0.0, next(tie_breaker), rank) for rank in range(num_ranks)]
+
+    def wake(rank: int, time: float) -> None:
+        heapq.heappush(events, (time, next(tie_breaker), rank))
+
+    while events:
+        now, _, rank = heapq.heappop(events)
+        completed, running[rank] = running[rank], None
+        if completed is not None:
+            finish_times[rank] = now
+            if completed.kind.startswith("RECV"):
+                channel = (peer_rank(completed), rank)
+                messages_in_channel[channel] -= 1
+                if channel in blocked_senders:
+                    wake(blocked_senders.pop(channel), now)
+        if next_index[rank] == len(programs[rank]):
+            continue
+        action = programs[rank][next_index[rank]]
+        cost = duration(action)
+        if cost < 0:
+            raise ValueError(f"simulate: the cost of {action} is negative: {cost}")
+        if action.kind.startswith("SEND"):
+            channel = (rank, peer_rank(action))
+            if buffer_slots is not None and messages_in_channel[channel] >= buffer_slots:
+                blocked_senders[channel] = rank
+                continue
+            messages_in_channel[channel] += 1
+            deliveries[action] = now + cost + comm_time
+            if action in blocked_receivers:
+                wake(blocked_receivers.pop(action), now)
+            end = now + cost
+        elif action.kind.startswith("RECV"):
+            send = _counterpart(action)
+            if send not in deliveries:
+                blocked_receivers[send] = rank
+                continue
+            end = max(now, deliveries[send]) + cost
+        else:
+            end = now + cost
+            timeline[rank].append((now, end, action))
+        next_index[rank] += 1
+        running[rank] = action
+        wake(rank, end)
+
+    stuck = [rank for rank in range(num_ranks) if next_index[rank] < len(programs[rank])]
+    if stuck:
+        waits = []
+        for rank in stuck:
+            action = programs[rank][next_index[rank]]
+            if action.kind.startswith("RECV"):
+                waits.append(f"rank {rank} waits at {action} for {_counterpart(action)} from rank {peer_rank(action)}")
+            else:
+                held = messages_in_channel[(rank, peer_rank(action))]
+                waits.append(
+                    f"rank {rank} waits at {action}: its channel to rank {peer_rank(action)} "
+                    f"holds {held} unreceived message(s)"
+                )
+        raise ValueError("deadlock: " + ", ".join(waits))
+    return timeline, finish_times
+
+
+def _peak_activations(program: tuple[Action, ...]) -> int:
+    # An activation is held from its F until the pass that last reads it: B, or W when B is split.
+    live = peak = 0
+    for action in program:
+        if action.kind == "F":
+            live += 1
+            peak = max(peak, live)
+        elif action.kind in ("B", "W"):
+            live -= 1
+    return peak

@@ -1,0 +1,212 @@
+"""Pipeline training on CPU processes equals single-process training with gradient accumulation, for every schedule."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from ranks import run_ranks
+
+import pipecomm
+
+HIDDEN = 16
+BATCH = 8
+SEQ = 5
+
+
+class Block(nn.Module):
+    """A transformer-like residual MLP block that also carries a bool mask across the stage boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.down = nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x, mask):
+        update = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+        return x + update * mask.unsqueeze(-1), mask
+
+
+class Head(nn.Module):
+    def forward(self, x, mask):
+        return x.masked_fill(~mask.unsqueeze(-1), 0.0).mean(dim=1)
+
+
+class Stage(nn.Module):
+    def __init__(self, last: bool):
+        super().__init__()
+        self.block = Block()
+        self.head = Head() if last else None
+
+    def forward(self, x, mask):
+        x, mask = self.block(x, mask)
+        return self.head(x, mask) if self.head is not None else (x, mask)
+
+
+def build_stages(num_stages: int) -> list[nn.Module]:
+    """Every rank builds the same model (same seed) and keeps its own stages; the last one ends in a head."""
+    torch.manual_seed(0)
+    return [Stage(last=index == num_stages - 1) for index in range(num_stages)]
+
+
+def batch(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(BATCH, SEQ, HIDDEN, generator=generator)
+    mask = torch.rand(BATCH, SEQ, generator=generator) > 0.3
+    mask[:, 0] = True
+    target = torch.randn(BATCH, HIDDEN, generator=generator)
+    return x, mask, target
+
+
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def reference_grads(stages: list[nn.Module], seed: int):
+    """Single process, the whole batch at once, plain PyTorch."""
+    x, mask, target = batch(seed)
+    out = (x, mask)
+    for stage in stages:
+        out = stage(*out)
+    loss = loss_fn(out, target)
+    loss.backward()
+    return loss.detach()
+
+
+def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_batches: int) -> str:
+    num_stages = world_size * virtual
+    stages = build_stages(num_stages)
+    reference = copy.deepcopy(stages)
+    mine = [rank + chunk * world_size for chunk in range(virtual)]
+    modules = [stages[s] for s in mine]
+    pipe = pipecomm.Pipeline(
+        modules if virtual > 1 else modules[0],
+        stage=mine if virtual > 1 else mine[0],
+        num_stages=num_stages,
+        loss_fn=loss_fn,
+        micro_batches=micro_batches,
+        schedule=schedule,
+        timeout=60,
+    )
+    params = [p for s in mine for p in stages[s].parameters()]
+    ref_params = [p for s in mine for p in reference[s].parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    ref_optimizer = torch.optim.SGD([p for s in reference for p in s.parameters()], lr=0.05, momentum=0.9)
+    for step in range(10):
+        x, mask, target = batch(step)
+        loss = pipe.step(x, mask, target=target)
+        ref_loss = reference_grads(reference, step)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        if step == 0:
+            for param, ref_param in zip(params, ref_params):
+                torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6)
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+    for param, ref_param in zip(params, ref_params):
+        torch.testing.assert_close(param, ref_param, rtol=1e-5, atol=1e-6)
+    pipe.close()
+    return schedule
+
+
+@pytest.mark.parametrize(
+    ("schedule", "world_size", "virtual", "micro_batches"),
+    [
+        ("gpipe", 2, 1, 4),
+        ("1f1b", 2, 1, 4),
+        ("zb-h1", 2, 1, 4),
+        ("interleaved-1f1b", 2, 2, 4),
+        ("gpipe", 4, 1, 4),
+        ("1f1b", 4, 1, 8),
+        ("zb-h1", 4, 1, 8),
+        ("interleaved-1f1b", 4, 2, 8),
+    ],
+)
+def test_training_matches_single_process(tmp_path, schedule, world_size, virtual, micro_batches):
+    assert run_ranks(world_size, equivalence, tmp_path, schedule, virtual, micro_batches, timeout=120) == [
+        schedule
+    ] * world_size
+
+
+def inference(rank: int, world_size: int, trace_path: str) -> str:
+    stages = build_stages(world_size)
+    pipe = pipecomm.Pipeline(stages[rank], stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=4, timeout=60)
+    x, mask, target = batch(123)
+    expected = (x, mask)
+    with torch.no_grad():
+        for stage in stages:
+            expected = stage(*expected)
+    output = pipe.forward(x, mask)
+    if rank == world_size - 1:
+        torch.testing.assert_close(output, expected)
+    else:
+        assert output is None
+    torch.testing.assert_close(pipe.forward(x, mask, broadcast_result=True), expected)
+    pipe.step(x, mask, target=target)
+    pipe.trace(trace_path)
+    pipe.close()
+    return "ok"
+
+
+def test_inference_with_and_without_broadcast_and_a_trace(tmp_path):
+    trace_path = str(tmp_path / "trace.json")
+    run_ranks(2, inference, tmp_path, trace_path)
+    events = json.load(open(trace_path))["traceEvents"]
+    assert {event["pid"] for event in events} == {0, 1}
+    assert any(event["name"].startswith("F") for event in events)
+
+
+def clipping(rank: int, world_size: int) -> float:
+    stages = build_stages(world_size)
+    reference = copy.deepcopy(stages)
+    pipe = pipecomm.Pipeline(stages[rank], stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=2, timeout=60)
+    x, mask, target = batch(7)
+    pipe.step(x, mask, target=target)
+    norm = pipe.clip_grad_norm_(0.01)
+    reference_grads(reference, 7)
+    ref_norm = torch.nn.utils.clip_grad_norm_([p for s in reference for p in s.parameters()], 0.01)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
+    for param, ref_param in zip(stages[rank].parameters(), reference[rank].parameters()):
+        torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-7)
+    pipe.close()
+    return float(norm)
+
+
+def test_clip_grad_norm_is_global_across_stages(tmp_path):
+    norms = run_ranks(2, clipping, tmp_path)
+    assert norms[0] == pytest.approx(norms[1])
+
+
+def bad_configuration(rank: int, world_size: int) -> str:
+    stage = build_stages(2)[rank]
+    common = dict(loss_fn=loss_fn, timeout=10)
+    with pytest.raises(ValueError, match="micro_batches"):
+        pipecomm.Pipeline(stage, stage=rank, num_stages=2, micro_batches=1, schedule="1f1b", **common)
+    with pytest.raises(ValueError, match="num_stages=3 must equal the pipeline group size"):
+        pipecomm.Pipeline(stage, stage=rank, num_stages=3, micro_batches=4, **common)
+    with pytest.raises(ValueError, match="stage 5 is out of range"):
+        pipecomm.Pipeline(stage, stage=5, num_stages=2, micro_batches=4, **common)
+    with pytest.raises(ValueError, match=f"rank {rank} of 2 holds stages \\[{rank}\\]"):
+        pipecomm.Pipeline(stage, stage=1 - rank, num_stages=2, micro_batches=4, **common)
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
+        pipecomm.Pipeline(stage, stage=rank, num_stages=2, micro_batches=4, schedule="pipedream", **common)
+    pipe = pipecomm.Pipeline(stage, stage=rank, num_stages=2, micro_batches=4, **common)
+    x, mask, target = batch(0)
+    if rank == 0:
+        with pytest.raises(ValueError, match="batch size 7, which is not divisible by micro_batches=4"):
+            pipe.step(x[:7], mask[:7], target=target[:7])
+    # Nothing was sent: a good step right after works on both ranks.
+    loss = pipe.step(x, mask, target=target)
+    assert torch.isfinite(loss)
+    pipe.close()
+    return "ok"
+
+
+def test_misconfiguration_fails_before_any_communication(tmp_path):
+    run_ranks(2, bad_configuration, tmp_path)
