@@ -210,3 +210,68 @@ def bad_configuration(rank: int, world_size: int) -> str:
 
 def test_misconfiguration_fails_before_any_communication(tmp_path):
     run_ranks(2, bad_configuration, tmp_path)
+
+
+def variants(rank: int, world_size: int) -> str:
+    """autocast(bfloat16), torch.compile'd stage modules, main_grad buffers, and shapes that change between steps."""
+    stages = build_stages(world_size)
+    reference = copy.deepcopy(stages)
+
+    # Shapes change between steps (sequence length 5, then 7): renegotiated, not a hang.
+    pipe = pipecomm.Pipeline(stages[rank], stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=2, timeout=60)
+    for seq in (5, 7, 5):
+        generator = torch.Generator().manual_seed(seq)
+        x = torch.randn(4, seq, HIDDEN, generator=generator)
+        mask = torch.ones(4, seq, dtype=torch.bool)
+        target = torch.randn(4, HIDDEN, generator=generator)
+        loss = pipe.step(x, mask, target=target)
+        out = (x, mask)
+        for stage in reference:
+            out = stage(*out)
+        torch.testing.assert_close(loss, loss_fn(out, target).detach(), rtol=1e-5, atol=1e-6)
+    pipe.close()
+
+    # Under autocast the pipeline computes what the single process computes under autocast.
+    for module in stages + reference:
+        module.zero_grad(set_to_none=True)
+    pipe = pipecomm.Pipeline(stages[rank], stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=2, timeout=60)
+    x, mask, target = batch(3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = pipe.step(x, mask, target=target)
+        out = (x, mask)
+        for stage in reference:
+            out = stage(*out)
+        ref_loss = loss_fn(out, target)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach().float(), rtol=2e-2, atol=2e-2)
+    for param, ref_param in zip(stages[rank].parameters(), reference[rank].parameters()):
+        torch.testing.assert_close(param.grad, ref_param.grad, rtol=5e-2, atol=5e-3)
+    pipe.close()
+
+    # A torch.compile'd stage module gives the eager gradients.
+    for module in stages + reference:
+        module.zero_grad(set_to_none=True)
+    compiled = torch.compile(stages[rank], backend="aot_eager")
+    pipe = pipecomm.Pipeline(compiled, stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=2, timeout=60)
+    x, mask, target = batch(4)
+    pipe.step(x, mask, target=target)
+    reference_grads(reference, 4)
+    for param, ref_param in zip(stages[rank].parameters(), reference[rank].parameters()):
+        torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6)
+    pipe.close()
+
+    # bf16 parameters accumulate into flat fp32 main_grad buffers.
+    low = copy.deepcopy(stages[rank]).to(torch.bfloat16)
+    pipe = pipecomm.Pipeline(low, stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=2, timeout=60,
+                             main_grad=True)
+    x, mask, target = batch(5)
+    pipe.step(x.to(torch.bfloat16), mask, target=target.to(torch.bfloat16))
+    for param in low.parameters():
+        assert param.grad is None and param.main_grad.dtype == torch.float32
+        assert param.main_grad.abs().sum() > 0
+    pipe.close()
+    return "ok"
+
+
+def test_autocast_compile_main_grad_and_changing_shapes(tmp_path):
+    run_ranks(2, variants, tmp_path, timeout=180)
