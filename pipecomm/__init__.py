@@ -6,6 +6,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from pipecomm import _C
 from pipecomm._ops import accumulate_, pack, packed_nbytes, unpack_
+from pipecomm.partition import StageModule, merge_checkpoints, split
 from pipecomm.pipeline import Pipeline
 
 try:
@@ -13,7 +14,18 @@ try:
 except PackageNotFoundError:  # running from a source tree that was built in place, not installed
     __version__ = "0.0.0+local"
 
-__all__ = ["Pipeline", "accumulate_", "build_info", "cuda_built", "pack", "packed_nbytes", "unpack_"]
+__all__ = [
+    "Pipeline",
+    "StageModule",
+    "accumulate_",
+    "build_info",
+    "cuda_built",
+    "merge_checkpoints",
+    "pack",
+    "packed_nbytes",
+    "split",
+    "unpack_",
+]
 
 
 def build_info() -> dict:

@@ -1,0 +1,431 @@
+"""Splitting one model into pipeline stages by ``pipeline_stage`` annotations or a balance rule, reusing its modules."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["BALANCE_MODES", "StageModule", "merge_checkpoints", "split"]
+
+BALANCE_MODES = ("parameters", "uniform", "profile")
+
+# Timed runs per layer when profiling, after one warm-up run (allocator, kernel selection); the
+# fastest is kept, as noise only ever adds time.
+_PROFILE_REPEATS = 3
+
+
+class StageModule(nn.Module):
+    """The consecutive layers of the original model that one pipeline stage runs, called in order.
+
+    ``forward(*inputs)`` calls the first layer with ``inputs`` and each next layer with the previous
+    one's output (a tuple unpacked into positional arguments), and returns the last layer's output.
+
+    The layers are the original module objects, registered under their names in the original model
+    (an element ``blocks.3`` of a ``ModuleList`` under an ``nn.ModuleDict`` named ``blocks``), so
+    ``state_dict()`` keys already are the original model's keys.
+
+    Attributes:
+        stage_index: this stage's index.
+        num_stages: how many stages the model was split into.
+        layer_names: the layers' qualified names in the original model, in execution order.
+        shared_parameters: this module's parameter names whose Parameter object also belongs to
+            layers on other stages (a tied embedding and head), mapped to the sorted indices of every
+            stage holding it. Their gradients must be summed across those stages before an
+            optimizer step; ``split`` only reports them.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[tuple[str, nn.Module]],
+        stage_index: int,
+        num_stages: int,
+        shared_parameters: dict[str, tuple[int, ...]],
+    ):
+        super().__init__()
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.layer_names = tuple(name for name, _ in layers)
+        self.shared_parameters = shared_parameters
+        for name, layer in layers:
+            container_name, _, leaf_name = name.rpartition(".")
+            top_name = container_name or leaf_name
+            if top_name not in self._modules and hasattr(self, top_name):
+                raise ValueError(
+                    f"split: layer {name!r} is named like the StageModule attribute {top_name!r}; rename it"
+                )
+            parent = self
+            if container_name:
+                if container_name not in self._modules:
+                    self.add_module(container_name, nn.ModuleDict())
+                parent = self._modules[container_name]
+            parent.add_module(leaf_name, layer)
+
+    def forward(self, *inputs):
+        output = inputs
+        for name in self.layer_names:
+            output = self.get_submodule(name)(*(output if isinstance(output, tuple) else (output,)))
+        return output
+
+    def original_names(self) -> dict[str, str]:
+        """Maps this module's ``state_dict()`` keys to the original model's keys.
+
+        The identity, since layers keep their original names; checkpoint code that goes through this
+        mapping keeps working should that ever change.
+        """
+        return {key: key for key in self.state_dict()}
+
+    def extra_repr(self) -> str:
+        return f"stage_index={self.stage_index}, num_stages={self.num_stages}"
+
+
+def split(
+    model: nn.Module,
+    num_stages: int,
+    stage: int | Sequence[int],
+    balance: str | Sequence[int] | None = None,
+    sample_inputs: tuple | None = None,
+    device: torch.device | str | None = None,
+) -> StageModule | list[StageModule]:
+    """The part of ``model`` that pipeline stage ``stage`` runs (a list of them when ``stage`` is a list).
+
+    Supported models: an ``nn.Sequential``, or any module whose forward calls its top-level children
+    one after the other in registration order, each child's output being the next child's input (a
+    tuple output passed unpacked as positional arguments). The model's own ``forward`` is never run
+    or traced: a model that does more (a residual around children, keyword arguments, reshapes
+    between children) is split wrongly without notice. The units placed on stages, called *layers*,
+    are the top-level children, except that a ``ModuleList`` child (which has no forward) contributes
+    its elements, named ``blocks.0``, ``blocks.1``, ... A model holding parameters or buffers of its
+    own, outside every child, is a ValueError.
+
+    Placement, when any layer carries a ``pipeline_stage`` attribute (MindSpore / OneFlow style):
+    every layer with parameters must carry one, in ``[0, num_stages)``, not decreasing in execution
+    order; a layer without parameters and without the attribute joins the stage of the layer before
+    it (stage 0 for leading ones); every stage must get a layer; ``balance`` must be None; and only
+    layers may carry the attribute. Each violation is a ValueError naming the module.
+
+    Otherwise ``balance`` splits the layers into ``num_stages`` consecutive non-empty groups:
+    ``"parameters"`` (the default) minimises the largest stage's parameter count (exactly, then the
+    largest layer count, so parameter-free layers spread evenly); ``"uniform"`` gives every stage the
+    same number of layers (the later stages one more when it does not divide, as the first stages
+    hold the most activations in flight under 1F1B); a list gives each stage's number of layers;
+    ``"profile"`` times every layer's forward and backward on ``sample_inputs`` (the first layer's
+    positional inputs, on the model's device) and minimises the slowest stage's time, leaving
+    parameters, their ``.grad``, buffers and the RNG state as they were. Each call measures anew, so
+    ask for all of a process's stages in one call; under torch.distributed the timings are averaged
+    over the default group, so every rank of it must call ``split`` with ``"profile"`` and all get
+    the same placement. The automatic modes warn when the layers do not divide evenly into the
+    stages.
+
+    The returned modules reuse the original layer objects, nothing is copied. With ``device``, only
+    the requested stages' layers are moved there (a Parameter shared with another stage moves too).
+    """
+    layers = _layers(model)
+    stages = list(stage) if isinstance(stage, Sequence) else [stage]
+    _check_stage_arguments(num_stages, stages, len(layers))
+    stage_of_layer = _annotated_stages(model, layers, num_stages, balance)
+    if stage_of_layer is None:
+        sizes = _stage_sizes(layers, num_stages, balance, sample_inputs)
+        stage_of_layer = [index for index, size in enumerate(sizes) for _ in range(size)]
+    shared = _shared_parameters(layers, stage_of_layer)
+    modules = []
+    for index in stages:
+        stage_layers = [layer for layer, owner in zip(layers, stage_of_layer) if owner == index]
+        if device is not None:
+            for _, layer in stage_layers:
+                layer.to(device)
+        modules.append(StageModule(stage_layers, index, num_stages, shared[index]))
+    return modules if isinstance(stage, Sequence) else modules[0]
+
+
+def merge_checkpoints(state_dicts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One state dict for the unsplit model from the stages' state dicts, all keyed by original names.
+
+    A key present in several of them must hold equal values (same shape, dtype and elements), else a
+    ValueError names it: a later stage never silently overwrites an earlier one.
+    """
+    merged: dict[str, Any] = collections.OrderedDict()
+    # load_state_dict reads per-module format versions from here to upgrade old checkpoints.
+    metadata: dict[str, Any] = collections.OrderedDict()
+    first_holder: dict[str, int] = {}
+    for index, state_dict in enumerate(state_dicts):
+        metadata.update(getattr(state_dict, "_metadata", {}))
+        for key, value in state_dict.items():
+            if key not in merged:
+                merged[key] = value
+                first_holder[key] = index
+            elif not _equal_values(merged[key], value):
+                raise ValueError(
+                    f"merge_checkpoints: {key!r} differs between state dict {first_holder[key]} and state dict {index}"
+                )
+    merged._metadata = metadata
+    return merged
+
+
+# -- layers and placement --------------------------------------------------------------------------
+
+
+def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The units that get placed on stages, with their qualified names, in execution order."""
+    own_state = [
+        name for name, value in itertools.chain(model._parameters.items(), model._buffers.items()) if value is not None
+    ]
+    if own_state:
+        raise ValueError(
+            f"split: the model holds {', '.join(own_state)} itself, outside every child; split runs only the "
+            f"children, so move them into a child module"
+        )
+    layers = []
+    # _modules rather than named_children(): the latter skips a module registered twice, which
+    # nn.Sequential still runs twice.
+    for name, child in model._modules.items():
+        if child is None:
+            continue
+        if isinstance(child, nn.ModuleList):
+            layers.extend((f"{name}.{index}", element) for index, element in enumerate(child))
+        else:
+            layers.append((name, child))
+    for name, layer in layers:
+        if type(layer).forward is nn.Module.forward:
+            raise ValueError(
+                f"split: {name!r} ({type(layer).__name__}) has no forward, but split calls every layer in order"
+            )
+    return layers
+
+
+def _check_stage_arguments(num_stages: int, stages: list[int], num_layers: int) -> None:
+    if num_stages < 1:
+        raise ValueError(f"split: num_stages must be >= 1, got {num_stages}")
+    if num_stages > num_layers:
+        raise ValueError(
+            f"split: num_stages={num_stages} but the model has only {num_layers} layers; every stage needs at least one"
+        )
+    for index in stages:
+        if not 0 <= index < num_stages:
+            raise ValueError(f"split: stage {index} is out of range for num_stages={num_stages}")
+    if len(set(stages)) != len(stages):
+        raise ValueError(f"split: stages {stages} name a stage more than once")
+
+
+def _annotated_stages(model, layers, num_stages, balance) -> list[int] | None:
+    """Each layer's stage from ``pipeline_stage`` attributes, or None when no layer carries one."""
+    layer_names = {name for name, _ in layers}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name and name not in layer_names and hasattr(module, "pipeline_stage"):
+            raise ValueError(
+                f"split: {name!r} carries pipeline_stage but is not a layer; split places whole top-level "
+                f"children (and ModuleList elements), so annotate those"
+            )
+    annotated = [name for name, layer in layers if hasattr(layer, "pipeline_stage")]
+    if not annotated:
+        return None
+    if balance is not None:
+        raise ValueError(
+            f"split: balance={balance!r} cannot be combined with pipeline_stage annotations "
+            f"(found on {annotated[0]!r}); pass balance=None"
+        )
+    stage_of_layer = []
+    previous_name = None
+    for name, layer in layers:
+        if hasattr(layer, "pipeline_stage"):
+            assigned = layer.pipeline_stage
+            if isinstance(assigned, bool) or not isinstance(assigned, int) or not 0 <= assigned < num_stages:
+                raise ValueError(
+                    f"split: {name!r} has pipeline_stage={assigned!r}; it must be an int in [0, {num_stages})"
+                )
+            if stage_of_layer and assigned < stage_of_layer[-1]:
+                raise ValueError(
+                    f"split: {name!r} has pipeline_stage={assigned} but comes after {previous_name!r} on stage "
+                    f"{stage_of_layer[-1]}; stages must not decrease in execution order"
+                )
+        elif any(True for _ in layer.parameters()):
+            raise ValueError(
+                f"split: {name!r} has parameters but no pipeline_stage; annotate every layer that has parameters"
+            )
+        else:
+            assigned = stage_of_layer[-1] if stage_of_layer else 0
+        if stage_of_layer and assigned > stage_of_layer[-1] + 1:
+            raise ValueError(
+                f"split: stage {stage_of_layer[-1] + 1} gets no layer: {previous_name!r} is on stage "
+                f"{stage_of_layer[-1]} and the next layer, {name!r}, on stage {assigned}"
+            )
+        if not stage_of_layer and assigned > 0:
+            raise ValueError(f"split: stage 0 gets no layer: the first layer, {name!r}, is on stage {assigned}")
+        stage_of_layer.append(assigned)
+        previous_name = name
+    if stage_of_layer[-1] < num_stages - 1:
+        raise ValueError(
+            f"split: stage {stage_of_layer[-1] + 1} gets no layer: the last layer, {previous_name!r}, is on stage "
+            f"{stage_of_layer[-1]} of {num_stages}"
+        )
+    return stage_of_layer
+
+
+def _stage_sizes(layers, num_stages, balance, sample_inputs) -> list[int]:
+    """Numbers of consecutive layers per stage, by the ``balance`` rule."""
+    num_layers = len(layers)
+    if balance is None:
+        balance = "parameters"
+    if not isinstance(balance, str):
+        sizes = list(balance)
+        if len(sizes) != num_stages:
+            raise ValueError(f"split: balance lists {len(sizes)} stage sizes for num_stages={num_stages}")
+        if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in sizes):
+            raise ValueError(f"split: balance {sizes} must give every stage a whole number >= 1 of layers")
+        if sum(sizes) != num_layers:
+            raise ValueError(f"split: balance {sizes} places {sum(sizes)} layers but the model has {num_layers}")
+        return sizes
+    if balance not in BALANCE_MODES:
+        raise ValueError(
+            f"split: unknown balance {balance!r}; known: {', '.join(BALANCE_MODES)} or a list of layer counts"
+        )
+    if balance == "profile" and sample_inputs is None:
+        raise ValueError("split: balance='profile' needs sample_inputs, the first layer's positional inputs")
+    if num_layers % num_stages:
+        warnings.warn(
+            f"split: {num_layers} layers do not divide evenly into {num_stages} stages", UserWarning, stacklevel=3
+        )
+    if balance == "uniform":
+        base, extra = divmod(num_layers, num_stages)
+        return [base + (index >= num_stages - extra) for index in range(num_stages)]
+    if balance == "parameters":
+        costs = [sum(param.numel() for param in layer.parameters()) for _, layer in layers]
+    else:
+        costs = _agreed(_profile(layers, tuple(sample_inputs)))
+    return _balanced_sizes(costs, num_stages)
+
+
+def _balanced_sizes(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Consecutive non-empty groups minimising the largest (cost, layer count) pair, compared in that order.
+
+    An exact dynamic program over where the last group starts, O(num_stages * layers^2), which is
+    instant for models of hundreds of layers.
+    """
+    num_layers = len(costs)
+    prefix = list(itertools.accumulate(costs, initial=0))
+    # best[end]: the smallest bottleneck for the first `end` layers in the groups placed so far.
+    best = [(prefix[end], end) for end in range(num_layers + 1)]
+    starts_per_group = []
+    for groups in range(2, num_stages + 1):
+        new_best: list[Any] = [None] * (num_layers + 1)
+        start_of_last = [0] * (num_layers + 1)
+        # Leave at least one layer to each earlier and each later group.
+        for end in range(groups, num_layers - (num_stages - groups) + 1):
+            for start in range(groups - 1, end):
+                candidate = max(best[start], (prefix[end] - prefix[start], end - start))
+                if new_best[end] is None or candidate < new_best[end]:
+                    new_best[end], start_of_last[end] = candidate, start
+        best = new_best
+        starts_per_group.append(start_of_last)
+    sizes = []
+    end = num_layers
+    for start_of_last in reversed(starts_per_group):
+        sizes.append(end - start_of_last[end])
+        end = start_of_last[end]
+    sizes.append(end)
+    return sizes[::-1]
+
+
+def _profile(layers, sample_inputs: tuple) -> list[float]:
+    """Seconds of one forward and backward of each layer, fed the previous layer's outputs."""
+    cuda_devices = {
+        tensor.device.index or 0
+        for tensor in itertools.chain(sample_inputs, *(layer.parameters() for _, layer in layers))
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda
+    }
+    costs = []
+    inputs = sample_inputs
+    with torch.random.fork_rng(devices=sorted(cuda_devices)), _buffers_restored(layers):
+        for _, layer in layers:
+            timings = []
+            for _ in range(_PROFILE_REPEATS + 1):
+                leaves = tuple(_as_leaf(value) for value in inputs)
+                start = time.perf_counter()
+                output = layer(*leaves)
+                outputs = output if isinstance(output, tuple) else (output,)
+                _backward(layer, leaves, outputs)
+                for device in cuda_devices:
+                    torch.cuda.synchronize(device)
+                timings.append(time.perf_counter() - start)
+            costs.append(min(timings[1:]))
+            inputs = tuple(value.detach() if isinstance(value, torch.Tensor) else value for value in outputs)
+    return costs
+
+
+def _agreed(costs: list[float]) -> list[float]:
+    """The costs averaged over the default process group, when there is one.
+
+    Timings differ from run to run: ranks that each balanced their own measurements would place
+    layers differently and their stages would not fit together.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return costs
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    total = torch.tensor(costs, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
+
+
+def _as_leaf(value):
+    """A floating-point tensor input becomes a leaf that requires grad, so the backward reaches it as in a pipeline."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().requires_grad_()
+    return value
+
+
+def _backward(layer: nn.Module, leaves: tuple, outputs: tuple) -> None:
+    # autograd.grad rather than backward(): it returns the gradients instead of accumulating them
+    # into the parameters' .grad, which the caller's training must not see.
+    differentiable = [value for value in outputs if isinstance(value, torch.Tensor) and value.requires_grad]
+    if not differentiable:
+        return
+    wrt = [param for param in layer.parameters() if param.requires_grad]
+    wrt += [value for value in leaves if isinstance(value, torch.Tensor) and value.requires_grad]
+    torch.autograd.grad(differentiable, wrt, [torch.ones_like(value) for value in differentiable], allow_unused=True)
+
+
+@contextlib.contextmanager
+def _buffers_restored(layers) -> Iterator[None]:
+    """Profiling runs forwards in the model's mode, which updates running statistics (BatchNorm); undo that."""
+    buffers = [buffer for _, layer in layers for buffer in layer.buffers()]
+    saved = [buffer.clone() for buffer in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved):
+                buffer.copy_(value)
+
+
+def _shared_parameters(layers, stage_of_layer) -> dict[int, dict[str, tuple[int, ...]]]:
+    """Per stage, its parameter names whose Parameter object layers on other stages hold too."""
+    holders: dict[int, set[int]] = collections.defaultdict(set)
+    for (_, layer), stage in zip(layers, stage_of_layer):
+        for param in layer.parameters():
+            holders[id(param)].add(stage)
+    shared: dict[int, dict[str, tuple[int, ...]]] = collections.defaultdict(dict)
+    for (name, layer), stage in zip(layers, stage_of_layer):
+        for param_name, param in layer.named_parameters(prefix=name, remove_duplicate=False):
+            if len(holders[id(param)]) > 1:
+                shared[stage][param_name] = tuple(sorted(holders[id(param)]))
+    return shared
+
+
+def _equal_values(first, second) -> bool:
+    if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
+        return (
+            first.shape == second.shape
+            and first.dtype == second.dtype
+            and torch.equal(first, second.to(first.device))
+        )
+    if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
+        return False
+    return bool(first == second)
