@@ -6,6 +6,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from pipecomm import _C
 from pipecomm._ops import accumulate_, pack, packed_nbytes, unpack_
+from pipecomm.parallel import ParallelContext, init
 from pipecomm.partition import StageModule, merge_checkpoints, split
 from pipecomm.pipeline import Pipeline
 
@@ -15,11 +16,13 @@ except PackageNotFoundError:  # running from a source tree that was built in pla
     __version__ = "0.0.0+local"
 
 __all__ = [
+    "ParallelContext",
     "Pipeline",
     "StageModule",
     "accumulate_",
     "build_info",
     "cuda_built",
+    "init",
     "merge_checkpoints",
     "pack",
     "packed_nbytes",

@@ -104,6 +104,7 @@ class StageExecutor:
         sinks: dict[int, GradientSink],
         channels: dict[tuple[int, str], Channel],
         loss_fn: Callable,
+        on_stage_backward_done: Callable[[int], None] | None = None,
     ):
         self.schedule = schedule
         self.rank = rank
@@ -112,6 +113,7 @@ class StageExecutor:
         self.channels = channels
         self.loss_fn = loss_fn
         self.last_stage = schedule.num_stages - 1
+        self.on_stage_backward_done = on_stage_backward_done
         self.timeline: list[tuple[float, float, Action]] = []
 
     def run(self, inputs: list[tuple] | None, targets: list[tuple] | None) -> torch.Tensor | None:
@@ -123,6 +125,7 @@ class StageExecutor:
         self._grads_out: dict[tuple[int, int], tuple | None] = {}
         self._grads_in: dict[tuple[int, int], tuple] = {}
         self._loss: torch.Tensor | None = None
+        self._backwards_done: dict[int, int] = dict.fromkeys(self.modules, 0)
         self.timeline = []
         handlers = {
             "F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight,
@@ -168,6 +171,7 @@ class StageExecutor:
         results = _run_backward(outputs, grads, wanted + params, keep_graph=False)
         self._store_input_grads(key, inputs, results[: len(wanted)])
         self.sinks[stage].add(results[len(wanted) :])
+        self._count_backward(stage)
 
     def _backward_input(self, stage: int, micro_batch: int) -> None:
         """Input grads only (the critical path); the graph is kept for the weight grads later."""
@@ -181,6 +185,13 @@ class StageExecutor:
         key = (stage, micro_batch)
         outputs, grads = self._outputs.pop(key), self._grads_out.pop(key)
         self.sinks[stage].add(_run_backward(outputs, grads, self.sinks[stage].params, keep_graph=False))
+        self._count_backward(stage)
+
+    def _count_backward(self, stage: int) -> None:
+        """Tells the data-parallel reducer when a stage's gradients are final for this step."""
+        self._backwards_done[stage] += 1
+        if self._backwards_done[stage] == self.schedule.micro_batches and self.on_stage_backward_done:
+            self.on_stage_backward_done(stage)
 
     @staticmethod
     def _grad_inputs(inputs: tuple) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ from torch import nn
 
 from pipecomm import microbatch, transport
 from pipecomm.executor import GradientSink, StageExecutor
+from pipecomm.grad_sync import DataParallelGrads, SharedParameters
 from pipecomm.schedule import SCHEDULES, Schedule, make_schedule, validate
 
 __all__ = ["Pipeline"]
@@ -28,7 +29,10 @@ class Pipeline:
 
     ``module``/``stage`` are one module and its stage index, or lists of them for interleaved
     schedules (rank r holds stages r, r + p, r + 2p, ...). ``group`` is the pipeline's process
-    group, ordered by stage (default: the whole world).
+    group, ordered by stage (default: the whole world); ``data_group`` holds this stage's
+    data-parallel replicas, whose gradients are averaged (``pipecomm.init`` makes both).
+    Parameters that ``pipecomm.split`` found shared between stages (a tied embedding and LM head)
+    start from the lowest holder's value and have their gradients summed across the holders.
     """
 
     def __init__(
@@ -41,6 +45,7 @@ class Pipeline:
         micro_batches: int,
         schedule: str = "1f1b",
         group: dist.ProcessGroup | None = None,
+        data_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         transport: str = "auto",
         timeout: float = transport.DEFAULT_TIMEOUT,
@@ -62,8 +67,23 @@ class Pipeline:
         self.device = torch.device(device) if device is not None else _module_device(modules)
         self._sinks = {s: GradientSink(list(self.modules[s].parameters()), main_grad) for s in self.stages}
         self._channels = self._connect(transport, timeout)
-        self._executor = StageExecutor(self.schedule, self.rank, self.modules, self._sinks, self._channels, loss_fn)
+        self._data_parallel = (
+            DataParallelGrads(self._sinks, data_group)
+            if data_group is not None and dist.get_world_size(data_group) > 1
+            else None
+        )
+        self._executor = StageExecutor(
+            self.schedule, self.rank, self.modules, self._sinks, self._channels, loss_fn,
+            on_stage_backward_done=self._data_parallel.start if self._data_parallel else None,
+        )
         self._last_rank = self.schedule.stage_rank(num_stages - 1)
+        self._shared = (
+            SharedParameters(self.modules, lambda s: self._global_rank(self.schedule.stage_rank(s)))
+            if dist.is_initialized()
+            else None
+        )
+        if self._shared:
+            self._shared.synchronize_values()
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for stage in self.stages:
@@ -82,6 +102,10 @@ class Pipeline:
             targets = target if isinstance(target, tuple) else (target,)
             split_targets = microbatch.split(targets, self.micro_batches, "target", self.device)
         loss = self._executor.run(split_inputs, split_targets)
+        if self._data_parallel:
+            self._data_parallel.finish()
+        if self._shared:
+            self._shared.reduce_grads(self._sink_of)
         if self.num_ranks == 1:
             return loss
         result = loss.float() if loss is not None else torch.zeros((), dtype=torch.float32, device=self._wire_device())
@@ -165,6 +189,28 @@ class Pipeline:
         with open(path, "w") as file:
             json.dump({"traceEvents": trace_events, "displayTimeUnit": "ms"}, file)
 
+    def state_dict(self) -> dict:
+        """This rank's stages' state. Stages made by ``pipecomm.split`` use the original model's names,
+        so ``pipecomm.merge_checkpoints`` of every rank's dict loads into the unsplit model."""
+        state: dict = {}
+        for stage in self.stages:
+            for key, value in self.modules[stage].state_dict().items():
+                if key in state and value is not state[key]:
+                    raise ValueError(f"state_dict: stages on rank {self.rank} both have a {key!r}; name them "
+                                     "uniquely, e.g. with pipecomm.split")
+                state[key] = value
+        return state
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        expected = set()
+        for stage in self.stages:
+            keys = self.modules[stage].state_dict().keys()
+            expected.update(keys)
+            self.modules[stage].load_state_dict({k: state[k] for k in keys if k in state}, strict=strict)
+        unexpected = set(state) - expected
+        if strict and unexpected:
+            raise ValueError(f"load_state_dict: keys of no stage on rank {self.rank}: {sorted(unexpected)}")
+
     def close(self) -> None:
         for channel in set(self._channels.values()):
             channel.close()
@@ -189,6 +235,9 @@ class Pipeline:
                         self._global_rank(peer), self.group, backend, device=self.device, timeout=timeout
                     )
         return channels
+
+    def _sink_of(self, param: nn.Parameter) -> GradientSink:
+        return next(sink for sink in self._sinks.values() if any(p is param for p in sink.params))
 
     def _global_rank(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.group, pipeline_rank) if self.group is not None else pipeline_rank
@@ -226,6 +275,28 @@ class _Loopback:
 
     def recv(self) -> tuple:
         return self._messages.popleft()
+
+    def state_dict(self) -> dict:
+        """This rank's stages' state. Stages made by ``pipecomm.split`` use the original model's names,
+        so ``pipecomm.merge_checkpoints`` of every rank's dict loads into the unsplit model."""
+        state: dict = {}
+        for stage in self.stages:
+            for key, value in self.modules[stage].state_dict().items():
+                if key in state and value is not state[key]:
+                    raise ValueError(f"state_dict: stages on rank {self.rank} both have a {key!r}; name them "
+                                     "uniquely, e.g. with pipecomm.split")
+                state[key] = value
+        return state
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        expected = set()
+        for stage in self.stages:
+            keys = self.modules[stage].state_dict().keys()
+            expected.update(keys)
+            self.modules[stage].load_state_dict({k: state[k] for k in keys if k in state}, strict=strict)
+        unexpected = set(state) - expected
+        if strict and unexpected:
+            raise ValueError(f"load_state_dict: keys of no stage on rank {self.rank}: {sorted(unexpected)}")
 
     def close(self) -> None:
         self._messages.clear()

@@ -1,0 +1,88 @@
+"""``pipecomm.init``: torch.distributed from the torchrun environment, and the pipeline and data-parallel groups."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ParallelContext", "init"]
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where this process sits: its pipeline stage and data-parallel replica, their groups, its device."""
+
+    rank: int
+    world_size: int
+    stage: int
+    num_stages: int
+    dp_rank: int
+    data_size: int
+    pipeline_group: dist.ProcessGroup
+    data_group: dist.ProcessGroup
+    device: torch.device
+    mesh: DeviceMesh
+
+
+def init(pipeline_size: int | None = None, data_size: int = 1, *, timeout: float = 300.0) -> ParallelContext:
+    """Initialises torch.distributed (NCCL on GPUs, gloo on CPU) and a (data, pipeline) device mesh.
+
+    Reads torchrun's RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; with none of them set it
+    runs as a single process. An already initialised default group is used as it is. Ranks are laid out pipeline-major: consecutive ranks form one
+    pipeline, so a pipeline's neighbours share a host and its IPC channels whenever possible.
+    """
+    if dist.is_initialized():
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if data_size < 1:
+        raise ValueError(f"init: data_size must be at least 1, got {data_size}")
+    if pipeline_size is None:
+        if world_size % data_size:
+            raise ValueError(f"init: world size {world_size} is not divisible by data_size={data_size}")
+        pipeline_size = world_size // data_size
+    if pipeline_size < 1 or pipeline_size * data_size != world_size:
+        raise ValueError(
+            f"init: pipeline_size × data_size must equal the world size: {pipeline_size} × {data_size} != {world_size}"
+        )
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            if world_size != 1:
+                raise ValueError("init: WORLD_SIZE > 1 but MASTER_ADDR is not set; launch with torchrun")
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+    mesh = init_device_mesh(device.type, (data_size, pipeline_size), mesh_dim_names=("dp", "pp"))
+    return ParallelContext(
+        rank=rank,
+        world_size=world_size,
+        stage=mesh.get_local_rank("pp"),
+        num_stages=pipeline_size,
+        dp_rank=mesh.get_local_rank("dp"),
+        data_size=data_size,
+        pipeline_group=mesh.get_group("pp"),
+        data_group=mesh.get_group("dp"),
+        device=device,
+        mesh=mesh,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,178 @@
+"""Model-level features on CPU processes: annotated split, tied weights across stages, data parallel × pipeline, checkpoints."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ranks import run_ranks
+
+import pipecomm
+
+VOCAB = 32
+HIDDEN = 16
+SEQ = 6
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.mlp = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return x + torch.tanh(self.mlp(self.norm(x)))
+
+
+class TiedLM(nn.Module):
+    """Embedding on the first stage, LM head on the last, sharing one weight; children run in order."""
+
+    def __init__(self, num_stages: int):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(2 * num_stages))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.embed.pipeline_stage = 0
+        for index, block in enumerate(self.blocks):
+            block.pipeline_stage = index // 2
+        self.norm.pipeline_stage = num_stages - 1
+        self.head.pipeline_stage = num_stages - 1
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def loss_fn(logits, targets):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def tokens(seed: int, batch: int):
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=generator)
+    return data[:, :-1], data[:, 1:]
+
+
+def build(num_stages: int) -> TiedLM:
+    torch.manual_seed(0)
+    return TiedLM(num_stages)
+
+
+def tied_weights(rank: int, world_size: int) -> str:
+    model = build(world_size)
+    reference = copy.deepcopy(model)
+    stage = pipecomm.split(model, world_size, rank)
+    if rank in (0, world_size - 1):
+        assert stage.shared_parameters == {"embed.weight" if rank == 0 else "head.weight": (0, world_size - 1)}
+    pipe = pipecomm.Pipeline(stage, stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=4, timeout=60)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        inputs, targets = tokens(step, 8)
+        loss = pipe.step(inputs, target=targets)
+        ref_loss = loss_fn(reference(inputs), targets)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        ref_params = dict(reference.named_parameters(remove_duplicate=False))
+        for name, param in stage.named_parameters(remove_duplicate=False):
+            # The tied weight's gradient sums the embedding's and the head's uses on both stages.
+            torch.testing.assert_close(param.grad, ref_params[name].grad, rtol=1e-5, atol=1e-6)
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+    if rank == 0:
+        torch.testing.assert_close(stage.embed.weight, reference.embed.weight)
+    if rank == world_size - 1:
+        torch.testing.assert_close(stage.head.weight, reference.head.weight)
+    pipe.close()
+    return "ok"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tied_embedding_and_head_match_the_single_model(tmp_path, world_size):
+    run_ranks(world_size, tied_weights, tmp_path, timeout=120)
+
+
+def data_times_pipeline(rank: int, world_size: int) -> str:
+    context = pipecomm.init(pipeline_size=2, data_size=2)
+    assert (context.num_stages, context.data_size) == (2, 2)
+    model = build(2)
+    reference = copy.deepcopy(model)
+    stage = pipecomm.split(model, 2, context.stage)
+    pipe = pipecomm.Pipeline(
+        stage, stage=context.stage, num_stages=2, loss_fn=loss_fn, micro_batches=2,
+        group=context.pipeline_group, data_group=context.data_group, timeout=60,
+    )
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        inputs, targets = tokens(step, 8)  # the global batch; each replica trains on its half
+        half = slice(4 * context.dp_rank, 4 * context.dp_rank + 4)
+        pipe.step(inputs[half], target=targets[half])
+        loss_fn(reference(inputs), targets).backward()
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    for name, param in stage.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(param, ref_params[name], rtol=1e-5, atol=1e-6)
+    pipe.close()
+    return f"stage {context.stage} replica {context.dp_rank}"
+
+
+def test_data_parallel_times_pipeline_equals_single_process_on_the_global_batch(tmp_path):
+    results = run_ranks(4, data_times_pipeline, tmp_path, timeout=120)
+    assert sorted(results) == ["stage 0 replica 0", "stage 0 replica 1", "stage 1 replica 0", "stage 1 replica 1"]
+
+
+def checkpoint_round_trip(rank: int, world_size: int) -> str:
+    model = build(world_size)
+    stage = pipecomm.split(model, world_size, rank)
+    pipe = pipecomm.Pipeline(stage, stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=2, timeout=60)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    for step in range(2):
+        inputs, targets = tokens(step, 4)
+        pipe.step(inputs, target=targets)
+        optimizer.step()
+        optimizer.zero_grad()
+    states = [None] * world_size
+    dist.all_gather_object(states, pipe.state_dict())
+    merged = pipecomm.merge_checkpoints(states)
+    unsplit = TiedLM(world_size)
+    unsplit.load_state_dict(merged, strict=True)
+    inputs, _ = tokens(99, 4)
+    output = pipe.forward(inputs, broadcast_result=True)
+    with torch.no_grad():
+        torch.testing.assert_close(output, unsplit(inputs))
+    # Loading a rank's own state back is exact; a key of another stage is an error.
+    pipe.load_state_dict(pipe.state_dict())
+    with pytest.raises(ValueError, match="keys of no stage"):
+        pipe.load_state_dict({**pipe.state_dict(), "not.a.key": torch.zeros(1)})
+    pipe.close()
+    return "ok"
+
+
+def test_checkpoint_merge_loads_into_the_unsplit_model(tmp_path):
+    run_ranks(2, checkpoint_round_trip, tmp_path, timeout=120)
+
+
+def bad_mesh(rank: int, world_size: int) -> str:
+    with pytest.raises(ValueError, match=r"pipeline_size × data_size must equal the world size: 3 × 1 != 2"):
+        pipecomm.init(pipeline_size=3)
+    with pytest.raises(ValueError, match="not divisible by data_size=3"):
+        pipecomm.init(data_size=3)
+    return "ok"
+
+
+def test_init_rejects_a_mesh_that_does_not_fill_the_world(tmp_path):
+    run_ranks(2, bad_mesh, tmp_path)
