@@ -156,3 +156,101 @@ def mixed_tensors(total_bytes: int, device: torch.device) -> list[torch.Tensor]:
         numel = max(total_bytes // len(MIXED_DTYPES) // element_size - (2 * index + 1), 1)
         tensors.append(random_tensor((numel,), dtype, device))
     return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Spawning ranks (bench/e2e.py, bench/test_overhead.py)
+
+
+class RankFailure(RuntimeError):
+    """A spawned rank failed, exited without a result, or the deadline passed; the ranks were killed."""
+
+
+def init_rank_group(rank: int, world_size: int, store_port: int, backend: str, timeout: float,
+                    device: torch.device | None = None) -> Any:
+    """Joins the TCPStore that spawn_ranks opened and the default process group; returns the store."""
+    import torch.distributed as dist
+
+    delta = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=delta)
+    extra = {"device_id": device} if device is not None and device.type == "cuda" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta, **extra)
+    return store
+
+
+def _rank_entry(rank: int, world_size: int, store_port: int, messages: Any, fn: Callable[..., Any],
+                args: tuple) -> None:
+    import contextlib
+    import traceback
+
+    import torch.distributed as dist
+
+    def report(payload: Any) -> None:
+        messages.put(("report", rank, payload))
+
+    try:
+        value = fn(rank, world_size, store_port, report, *args)
+    except BaseException:
+        messages.put(("error", rank, traceback.format_exc()))
+        return
+    messages.put(("ok", rank, value))
+    with contextlib.suppress(Exception):  # the result is out; a slow teardown is the parent's to kill
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, deadline: float = 300.0,
+                timeout: float = 120.0, on_report: Callable[[int, Any], None] | None = None) -> dict[int, Any]:
+    """Runs fn(rank, world_size, store_port, report, *args) on world_size spawned processes.
+
+    fn must be importable by name (module level). It joins the group with init_rank_group and may
+    call report(payload) any number of times: each payload reaches on_report(rank, payload) in the
+    parent as it arrives, so a run that dies later still leaves its partial results. Returns fn's
+    return values by rank. Raises RankFailure (after killing every rank) when a rank raises, exits
+    without a result, or the deadline passes, so nothing hangs.
+    """
+    import queue
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    messages = context.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    processes = [context.Process(target=_rank_entry, args=(rank, world_size, store.port, messages, fn, args),
+                                 daemon=True) for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    outcomes: dict[int, Any] = {}
+    end = time.monotonic() + deadline
+    exited_at: dict[int, float] = {}
+    try:
+        while len(outcomes) < world_size:
+            now = time.monotonic()
+            if now > end:
+                missing = sorted(set(range(world_size)) - set(outcomes))
+                raise RankFailure(f"ranks {missing} still running after the {deadline:g} s deadline; killed")
+            try:
+                kind, rank, payload = messages.get(timeout=max(min(0.5, end - now), 0.01))
+            except queue.Empty:
+                for rank, process in enumerate(processes):
+                    if rank not in outcomes and process.exitcode is not None:
+                        # Its last message may still be in the pipe: give it a few seconds.
+                        if now - exited_at.setdefault(rank, now) > 5:
+                            raise RankFailure(f"rank {rank} exited with code {process.exitcode} "
+                                              "without a result") from None
+                continue
+            if kind == "report":
+                if on_report is not None:
+                    on_report(rank, payload)
+            elif kind == "error":
+                raise RankFailure(f"rank {rank} failed:\n{payload}")
+            else:
+                outcomes[rank] = payload
+    finally:
+        for process in processes:
+            process.join(timeout=15 if len(outcomes) == world_size else 1)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+    return outcomes

@@ -21,7 +21,6 @@ import ctypes
 import datetime
 import math
 import os
-import queue
 import re
 import statistics
 import subprocess
@@ -35,9 +34,18 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from _common import environment, gb_per_s, mixed_tensors, print_environment, print_table, write_json
+from _common import (
+    RankFailure,
+    environment,
+    gb_per_s,
+    init_rank_group,
+    mixed_tensors,
+    print_environment,
+    print_table,
+    spawn_ranks,
+    write_json,
+)
 
 WORLD_SIZE = 2
 # ~10 ms of torch.cuda._sleep at ~2 GHz: the host queues a whole GEMM window behind it, so host
@@ -477,22 +485,19 @@ def rank_environment(ctx: RankContext, backend: str | None, channel_error: str |
     return env
 
 
-def run_rank(rank: int, store_port: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_rank(rank: int, world_size: int, store_port: int, report: Any, config: dict[str, Any]) -> dict[str, Any]:
+    args = argparse.Namespace(**config)
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off, as in scripts/gpu_check.sh; before NCCL starts
     # Eager init (device_id) runs unbatched send/recv on the group's one communicator, serialized with
     # its other ops; the ranks here issue them in one order anyway, so the per-process warning is noise.
     os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
-    timeout = datetime.timedelta(seconds=args.timeout)
     if args.smoke:
         torch.set_num_threads(1)  # two ranks on a small machine
         device = torch.device("cpu")
     else:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
-    extra = {} if args.smoke else {"device_id": device}
-    dist.init_process_group("gloo" if args.smoke else "nccl", store=store, rank=rank, world_size=WORLD_SIZE,
-                            timeout=timeout, **extra)
+    store = init_rank_group(rank, world_size, store_port, "gloo" if args.smoke else "nccl", args.timeout, device)
     ctx = RankContext(rank, 1 - rank, device, store, Clock(device), args)
     torch.manual_seed(rank)
     ctx.sync()
@@ -547,60 +552,16 @@ def run_rank(rank: int, store_port: int, args: argparse.Namespace) -> dict[str, 
     return out
 
 
-def worker(rank: int, store_port: int, config: dict[str, Any], results: Any) -> None:
-    try:
-        outcome = run_rank(rank, store_port, argparse.Namespace(**config))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-        return
-    results.put((rank, "ok", outcome))
-    with contextlib.suppress(Exception):  # the results are out; a slow teardown is the parent's to kill
-        dist.destroy_process_group()
-
-
 # ---------------------------------------------------------------------------------------------
 # Parent: spawn, watch, report
 
 
 def run_ranks(args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     """Runs both ranks; kills them when one fails or the deadline passes, so nothing hangs."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=args.timeout))
-    processes = [context.Process(target=worker, args=(rank, store.port, vars(args), results), daemon=True)
-                 for rank in range(WORLD_SIZE)]
-    for process in processes:
-        process.start()
-    outcomes: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + args.deadline
-    exited_at: dict[int, float] = {}
     try:
-        while len(outcomes) < WORLD_SIZE:
-            now = time.monotonic()
-            if now > deadline:
-                raise SystemExit(f"p2p: ranks {sorted(set(range(WORLD_SIZE)) - set(outcomes))} still running "
-                                 f"after the {args.deadline:g} s deadline; killed")
-            try:
-                rank, status, payload = results.get(timeout=max(min(1.0, deadline - now), 0.01))
-            except queue.Empty:
-                for rank, process in enumerate(processes):
-                    if rank not in outcomes and process.exitcode is not None:
-                        # Its last result may still be in the pipe: give it a few seconds.
-                        if now - exited_at.setdefault(rank, now) > 5:
-                            raise SystemExit(f"p2p: rank {rank} exited with code {process.exitcode} "
-                                             "without a result") from None
-                continue
-            if status == "error":
-                raise SystemExit(f"p2p: rank {rank} failed:\n{payload}")
-            outcomes[rank] = payload
-    finally:
-        for process in processes:
-            process.join(timeout=15 if len(outcomes) == WORLD_SIZE else 1)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-    return outcomes
+        return spawn_ranks(run_rank, WORLD_SIZE, (vars(args),), deadline=args.deadline, timeout=args.timeout)
+    except RankFailure as failure:
+        raise SystemExit(f"p2p: {failure}") from None
 
 
 def median(samples: dict[str, list[float]], key: str) -> float | None:

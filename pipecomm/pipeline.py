@@ -108,9 +108,10 @@ class Pipeline:
             self._shared.reduce_grads(self._sink_of)
         if self.num_ranks == 1:
             return loss
-        result = loss.float() if loss is not None else torch.zeros((), dtype=torch.float32, device=self._wire_device())
+        wire = self._wire_device()
+        result = loss.float().to(wire) if loss is not None else torch.zeros((), dtype=torch.float32, device=wire)
         dist.broadcast(result, src=self._global_rank(self._last_rank), group=self.group)
-        return result
+        return result.to(self.device)
 
     @torch.no_grad()
     def forward(self, *inputs, broadcast_result: bool = False):
@@ -159,6 +160,19 @@ class Pipeline:
         if grads:
             torch._foreach_mul_(grads, scale.to(grads[0].device))
         return norm
+
+    def bubble_fraction(self) -> float:
+        """This rank's idle share of the last step, from the host clock: compute actions over the step's span.
+
+        On GPUs the host runs ahead of the device, so this measures launch time there; on CPU
+        processes it is the real bubble.
+        """
+        timeline = self._executor.timeline
+        if not timeline:
+            return 0.0
+        span = timeline[-1][1] - timeline[0][0]
+        busy = sum(end - start for start, end, action in timeline if action.is_compute)
+        return max(0.0, 1.0 - busy / span) if span > 0 else 0.0
 
     def trace(self, path: str) -> None:
         """Writes a Chrome trace (chrome://tracing, Perfetto) of the last step's actions on every rank.

@@ -10,8 +10,11 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
+
+import pipecomm
 
 
 def _entry(rank: int, world_size: int, store_path: str, results, fn, args) -> None:
@@ -81,3 +84,17 @@ def _collect_exits(processes, outcomes: dict, may_exit: frozenset) -> None:
 
 
 _exit_seen: dict = {}
+
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and pipecomm.cuda_built()), reason="needs a GPU and a CUDA build of pipecomm"
+)
+
+
+def rank_device(rank: int, kind: str) -> torch.device:
+    """Rank r uses GPU r when there are enough GPUs; otherwise ranks share GPU 0 (IPC still crosses processes)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device

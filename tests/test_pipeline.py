@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ranks import run_ranks
+from ranks import needs_cuda, rank_device, run_ranks
 
 import pipecomm
 
@@ -78,10 +78,15 @@ def reference_grads(stages: list[nn.Module], seed: int):
     return loss.detach()
 
 
-def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_batches: int) -> str:
+def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_batches: int, kind: str) -> str:
+    """The pipeline (on CPU, or on GPUs through CUDA IPC) against the unsplit model on this process's CPU."""
     num_stages = world_size * virtual
+    device = rank_device(rank, kind)
     stages = build_stages(num_stages)
     reference = copy.deepcopy(stages)
+    for module in stages:
+        module.to(device)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if kind == "cpu" else dict(rtol=1e-4, atol=1e-5)
     mine = [rank + chunk * world_size for chunk in range(virtual)]
     modules = [stages[s] for s in mine]
     pipe = pipecomm.Pipeline(
@@ -101,35 +106,38 @@ def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_b
         x, mask, target = batch(step)
         loss = pipe.step(x, mask, target=target)
         ref_loss = reference_grads(reference, step)
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loss.cpu(), ref_loss, **tolerance)
         if step == 0:
             for param, ref_param in zip(params, ref_params):
-                torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(param.grad.cpu(), ref_param.grad, **tolerance)
         optimizer.step()
         ref_optimizer.step()
         optimizer.zero_grad()
         ref_optimizer.zero_grad()
     for param, ref_param in zip(params, ref_params):
-        torch.testing.assert_close(param, ref_param, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(param.detach().cpu(), ref_param.detach(), **tolerance)
     pipe.close()
     return schedule
 
 
 @pytest.mark.parametrize(
-    ("schedule", "world_size", "virtual", "micro_batches"),
+    ("schedule", "world_size", "virtual", "micro_batches", "kind"),
     [
-        ("gpipe", 2, 1, 4),
-        ("1f1b", 2, 1, 4),
-        ("zb-h1", 2, 1, 4),
-        ("interleaved-1f1b", 2, 2, 4),
-        ("gpipe", 4, 1, 4),
-        ("1f1b", 4, 1, 8),
-        ("zb-h1", 4, 1, 8),
-        ("interleaved-1f1b", 4, 2, 8),
+        ("gpipe", 2, 1, 4, "cpu"),
+        ("1f1b", 2, 1, 4, "cpu"),
+        ("zb-h1", 2, 1, 4, "cpu"),
+        ("interleaved-1f1b", 2, 2, 4, "cpu"),
+        ("gpipe", 4, 1, 4, "cpu"),
+        ("1f1b", 4, 1, 8, "cpu"),
+        ("zb-h1", 4, 1, 8, "cpu"),
+        ("interleaved-1f1b", 4, 2, 8, "cpu"),
+        pytest.param("1f1b", 2, 1, 4, "cuda", marks=needs_cuda),
+        pytest.param("zb-h1", 2, 1, 4, "cuda", marks=needs_cuda),
+        pytest.param("interleaved-1f1b", 2, 2, 4, "cuda", marks=needs_cuda),
     ],
 )
-def test_training_matches_single_process(tmp_path, schedule, world_size, virtual, micro_batches):
-    assert run_ranks(world_size, equivalence, tmp_path, schedule, virtual, micro_batches, timeout=120) == [
+def test_training_matches_single_process(tmp_path, schedule, world_size, virtual, micro_batches, kind):
+    assert run_ranks(world_size, equivalence, tmp_path, schedule, virtual, micro_batches, kind, timeout=120) == [
         schedule
     ] * world_size
 

@@ -11,15 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ranks import run_ranks
+from ranks import needs_cuda, rank_device, run_ranks
 
 import pipecomm.transport as transport
 
-import pipecomm
-
-needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and pipecomm.cuda_built()), reason="needs a GPU and a CUDA build of pipecomm"
-)
 # Every backend with the tensors it carries: CPU tensors over shared memory or gloo, CUDA tensors
 # over CUDA IPC or gloo (which stages them through the host).
 BACKENDS_AND_DEVICES = [
@@ -28,15 +23,6 @@ BACKENDS_AND_DEVICES = [
     pytest.param("ipc", "cuda", id="ipc-cuda", marks=needs_cuda),
     pytest.param("dist", "cuda", id="dist-cuda", marks=needs_cuda),
 ]
-
-
-def rank_device(rank: int, kind: str) -> torch.device:
-    """Rank r uses GPU r when there are enough GPUs; otherwise both ranks share GPU 0 (IPC still crosses processes)."""
-    if kind == "cpu":
-        return torch.device("cpu")
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
 
 
 def mixed_message(seed: int, device: torch.device = torch.device("cpu")) -> list:

@@ -1,0 +1,614 @@
+"""GPU benchmark: end-to-end pipeline training step, pipecomm's schedules vs torch.distributed.pipelining, on 2 GPUs.
+
+Spawns two ranks (rank r on cuda:r, one NCCL process group). The model is a GPT block stack in bf16
+(pre-norm causal self-attention through scaled_dot_product_attention, then a 4x MLP), 8 layers,
+split into 2 stages of 4 layers (interleaved schedules: 4 chunks of 2 layers, rank r holds chunks
+r and r + 2). The batch is micro_batch_size * micro_batches sequences; the loss is the MSE against a
+random target. Each layer is initialised from its own seed, so every schedule trains the same model
+on the same data (the loss column must agree across rows).
+
+Per config (d / seq / micro-batch size / micro-batches, the three of ../shared/GPU-BASELINES.md) and
+schedule it reports the median step time (CUDA events, after warm-up; the slower rank), the
+efficiency = one stage's pure compute time / step time, where the compute time is forward + backward
+of one stage's 4 layers on one micro-batch on one GPU without a pipeline, times micro_batches (the
+slower of the two stages), the ideal 1F1B efficiency m / (m + p - 1), and each rank's peak memory
+(torch.cuda.max_memory_allocated, reset before each schedule; model weights included).
+
+Schedules: pipecomm gpipe, 1f1b, interleaved-1f1b (v=2), zb-h1, and torch.distributed.pipelining's
+ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2) and ScheduleInterleavedZeroBubble (v=2)
+through PipelineStage, all in the same run. A schedule that fails is reported as an error string.
+--smoke runs it on CPU (gloo, pipecomm's shared-memory channels, fp32, d=32, seq=16) to check the
+control flow; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import inspect
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from _common import RankFailure, environment, init_rank_group, print_environment, print_table, spawn_ranks, write_json
+
+WORLD_SIZE = 2
+NUM_LAYERS = 8
+VIRTUAL = 2  # chunks per rank for the interleaved schedules
+
+PIPECOMM_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+TORCH_SCHEDULES = {  # row name -> (class name in torch.distributed.pipelining, chunks per rank)
+    "torch GPipe": ("ScheduleGPipe", 1),
+    "torch 1F1B": ("Schedule1F1B", 1),
+    "torch Interleaved1F1B": ("ScheduleInterleaved1F1B", VIRTUAL),
+    "torch InterleavedZB": ("ScheduleInterleavedZeroBubble", VIRTUAL),
+}
+BASELINE = "torch 1F1B"
+# The project's targets, against torch 1F1B in the same run.
+TARGET_COMPUTE_SPEED, TARGET_COMPUTE_MEMORY, TARGET_BEST_SPEED, TARGET_OVERHEAD_SPEED = 1.0, 0.85, 1.08, 1.25
+
+COLUMNS = ["schedule", "step_ms", "wall_ms", "eff", "ideal", "speed_vs_torch_1f1b", "mem0_GB", "mem1_GB",
+           "mem/torch_1f1b", "loss", "error"]
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    hidden: int
+    seq: int
+    micro_batch_size: int
+    micro_batches: int
+
+    @property
+    def heads(self) -> int:
+        return max(1, self.hidden // 128) if self.hidden >= 128 else max(1, self.hidden // 16)
+
+
+CONFIGS = {
+    "compute": Config("compute", 2048, 1024, 4, 8),
+    "medium": Config("medium", 1024, 512, 2, 16),
+    "overhead": Config("overhead", 512, 128, 1, 32),
+}
+
+
+def smoke_config(config: Config) -> Config:
+    """The same micro-batch counts at toy sizes, so every schedule's control flow runs on CPU."""
+    return Config(config.name, 32, 16, 2, config.micro_batches)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+class Block(nn.Module):
+    """Pre-norm GPT block: causal self-attention (scaled_dot_product_attention), then a 4x GELU MLP."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm_attention = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.projection = nn.Linear(hidden, hidden)
+        self.norm_mlp = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        qkv = self.qkv(self.norm_attention(x)).view(batch, seq, 3, self.heads, hidden // self.heads)
+        query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        attention = F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        x = x + self.projection(attention.transpose(1, 2).reshape(batch, seq, hidden))
+        return x + self.down(F.gelu(self.up(self.norm_mlp(x)), approximate="tanh"))
+
+
+def build_chunk(layers: range, config: Config, device: torch.device, dtype: torch.dtype) -> nn.Sequential:
+    """Layers of the 8-layer stack; layer i is initialised from seed i, so every split holds the same model."""
+    blocks = []
+    for layer in layers:
+        torch.manual_seed(1000 + layer)
+        with torch.device(device):
+            blocks.append(Block(config.hidden, config.heads))
+    return nn.Sequential(*blocks).to(dtype)
+
+
+def chunk_layers(rank: int, chunks_per_rank: int) -> list[tuple[int, range]]:
+    """(stage index, layers) held by rank: stage s = rank + chunk * WORLD_SIZE, NUM_LAYERS / stages layers each."""
+    num_stages = WORLD_SIZE * chunks_per_rank
+    per_stage = NUM_LAYERS // num_stages
+    stages = [rank + chunk * WORLD_SIZE for chunk in range(chunks_per_rank)]
+    return [(stage, range(stage * per_stage, (stage + 1) * per_stage)) for stage in stages]
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output.float(), target.float())
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank
+
+
+class Rank:
+    def __init__(self, rank: int, args: argparse.Namespace, store: Any):
+        self.rank = rank
+        self.args = args
+        self.store = store
+        self.cuda = not args.smoke
+        self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self._barriers = 0
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"[e2e] {message}", file=sys.stderr, flush=True)
+
+    def barrier(self) -> None:
+        """Through the store, not the process group: still works after a schedule failed mid-step."""
+        self._barriers += 1
+        self.store.set(f"e2e/barrier/{self._barriers}/{self.rank}", "1")
+        self.store.wait([f"e2e/barrier/{self._barriers}/{1 - self.rank}"])
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def release(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_gb(self) -> float | None:
+        return torch.cuda.max_memory_allocated(self.device) / 1e9 if self.cuda else None
+
+    def batch(self, config: Config) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same inputs and targets on every rank and in every schedule."""
+        generator = torch.Generator(self.device).manual_seed(7)
+        shape = (config.micro_batch_size * config.micro_batches, config.seq, config.hidden)
+        inputs = torch.randn(shape, generator=generator, device=self.device, dtype=torch.float32)
+        target = torch.randn(shape, generator=generator, device=self.device, dtype=torch.float32)
+        return inputs.to(self.dtype), target.to(self.dtype)
+
+    # -- timing --------------------------------------------------------------------------------
+
+    def time_steps(self, step: Callable[[], object], warmup: int, steps: int) -> tuple[list[float], float]:
+        """Per-step ms (CUDA events on the current stream; host clock on CPU) and wall ms per step."""
+        for _ in range(warmup):
+            step()
+        self.synchronize()
+        self.barrier()
+        samples = []
+        wall_start = time.perf_counter()
+        if self.cuda:
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(steps)]
+            for start, end in events:
+                start.record()
+                step()
+                end.record()
+            self.synchronize()
+            samples = [start.elapsed_time(end) for start, end in events]
+        else:
+            for _ in range(steps):
+                start = time.perf_counter()
+                step()
+                samples.append((time.perf_counter() - start) * 1e3)
+        wall_ms = (time.perf_counter() - wall_start) * 1e3 / steps
+        return samples, wall_ms
+
+    def compute_ms(self, config: Config) -> float:
+        """One stage (this rank's 4 layers), forward + backward of one micro-batch, no pipeline: median ms."""
+        [(stage, layers)] = chunk_layers(self.rank, 1)
+        module = build_chunk(layers, config, self.device, self.dtype)
+        inputs, target = self.batch(config)
+        micro_inputs = inputs[: config.micro_batch_size].clone()
+        micro_target = target[: config.micro_batch_size].clone()
+        last = stage == WORLD_SIZE - 1
+        micro_inputs.requires_grad_(stage > 0)  # as in the pipeline: later stages send input grads back
+        output_grad = torch.randn_like(micro_inputs)
+
+        def forward_backward() -> None:
+            output = module(micro_inputs)
+            if last:
+                (loss_fn(output, micro_target) / config.micro_batches).backward()
+            else:
+                output.backward(output_grad)
+            micro_inputs.grad = None
+
+        warmup, iters = (self.args.warmup + 2, max(self.args.steps, 10)) if self.cuda else (1, 3)
+        forward_backward()
+        samples, _ = self.time_steps(forward_backward, warmup, iters)
+        del module
+        self.release()
+        return statistics.median(samples)
+
+    # -- schedules -----------------------------------------------------------------------------
+
+    def pipecomm_runner(self, config: Config, schedule: str) -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
+        import pipecomm
+
+        chunks = VIRTUAL if schedule.startswith("interleaved") else 1
+        held = chunk_layers(self.rank, chunks)
+        modules = [build_chunk(layers, config, self.device, self.dtype) for _, layers in held]
+        stages = [stage for stage, _ in held]
+        pipe = pipecomm.Pipeline(
+            modules if chunks > 1 else modules[0],
+            stage=stages if chunks > 1 else stages[0],
+            num_stages=WORLD_SIZE * chunks,
+            loss_fn=loss_fn,
+            micro_batches=config.micro_batches,
+            schedule=schedule,
+            device=self.device,
+            timeout=float(self.args.timeout),
+        )
+        inputs, target = self.batch(config)
+
+        def step() -> torch.Tensor:
+            loss = pipe.step(inputs, target=target)
+            for module in modules:
+                module.zero_grad(set_to_none=True)
+            return loss
+
+        return step, pipe.close
+
+    def torch_runner(self, config: Config, name: str) -> tuple[Callable[[], torch.Tensor | None], Callable[[], None]]:
+        import torch.distributed.pipelining as pipelining
+
+        class_name, chunks = TORCH_SCHEDULES[name]
+        schedule_class = getattr(pipelining, class_name)
+        held = chunk_layers(self.rank, chunks)
+        modules = [build_chunk(layers, config, self.device, self.dtype) for _, layers in held]
+        stages = [pipelining.PipelineStage(module, stage, WORLD_SIZE * chunks, self.device)
+                  for module, (stage, _) in zip(modules, held)]
+        schedule = schedule_class(stages if chunks > 1 else stages[0], config.micro_batches, loss_fn=loss_fn)
+        inputs, target = self.batch(config)
+        first = any(stage == 0 for stage, _ in held)
+        last = any(stage == WORLD_SIZE * chunks - 1 for stage, _ in held)
+        extra = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
+
+        def step() -> torch.Tensor | None:
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if first else ()
+            if last:
+                schedule.step(*args, target=target, losses=losses, **extra)
+            else:
+                schedule.step(*args, **extra)
+            for module in modules:
+                module.zero_grad(set_to_none=True)
+            # loss_fn gives each micro-batch's mean; the step's loss is their mean, as pipecomm returns.
+            return torch.stack([loss.detach().float() for loss in losses]).mean() if losses else None
+
+        return step, lambda: None
+
+    def run_schedule(self, config: Config, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = {"config": config.name, "schedule": name, "rank": self.rank}
+        self.release()
+        close: Callable[[], None] = lambda: None  # noqa: E731
+        try:
+            if name in TORCH_SCHEDULES:
+                step, close = self.torch_runner(config, name)
+            else:
+                step, close = self.pipecomm_runner(config, name)
+            loss = step()  # first step: connects, infers shapes; not timed
+            result["loss"] = float(loss) if loss is not None else None
+            self.synchronize()
+            samples, wall_ms = self.time_steps(step, self.args.warmup, self.args.steps)
+            result.update(step_ms=samples, wall_ms=wall_ms, peak_gb=self.peak_gb())
+        except Exception as error:
+            message = f"{type(error).__name__}: {error}".splitlines()[0][:160]
+            result["error"] = message
+            result["traceback"] = traceback.format_exc()
+            print(f"[e2e] rank {self.rank} {config.name} {name}: {message}", file=sys.stderr, flush=True)
+        finally:
+            with contextlib.suppress(Exception):
+                close()
+            step = close = None  # type: ignore[assignment]
+            self.release()
+        self.barrier()
+        return result
+
+
+def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any], None],
+             config: dict[str, Any]) -> dict[str, Any]:
+    args = argparse.Namespace(**config)
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off, as in scripts/gpu_check.sh; before NCCL starts
+    os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
+    if args.smoke:
+        torch.set_num_threads(1)  # two ranks on a small machine
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    store = init_rank_group(rank, world_size, store_port, "gloo" if args.smoke else "nccl", args.timeout, device)
+    me = Rank(rank, args, store)
+    env = environment(device) if rank == 0 else None
+    if env is not None:
+        env["ranks"] = f"{world_size} processes, rank r on {'cuda:r' if me.cuda else 'cpu'}"
+        env["process_group"] = dist.get_backend()
+        if me.cuda:
+            env["card_1"] = torch.cuda.get_device_properties(1).name
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            env["NCCL_NVLS_ENABLE"] = os.environ.get("NCCL_NVLS_ENABLE")
+        if args.smoke:
+            env["dtype"] = "float32 (smoke)"
+    me.barrier()
+    for name in args.config_list:
+        config = CONFIGS[name] if not args.smoke else smoke_config(CONFIGS[name])
+        me.log(f"{name}: d={config.hidden} seq={config.seq} micro-batch {config.micro_batch_size} x "
+               f"{config.micro_batches}: one stage's compute")
+        compute = me.compute_ms(config)
+        report({"kind": "compute", "config": name, "rank": rank, "ms_per_micro_batch": compute,
+                "shape": asdict(config)})
+        me.barrier()
+        for schedule in args.schedule_list:
+            me.log(f"{name}: {schedule}")
+            report({"kind": "schedule", **me.run_schedule(config, schedule)})
+    return {"env": env}
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent: spawn, collect, report
+
+
+class Collector:
+    """Reports from the ranks, kept as they arrive so a run that dies still prints what it measured."""
+
+    def __init__(self) -> None:
+        self.compute: dict[tuple[str, int], dict[str, Any]] = {}
+        self.schedules: dict[tuple[str, str, int], dict[str, Any]] = {}
+
+    def __call__(self, rank: int, payload: dict[str, Any]) -> None:
+        if payload["kind"] == "compute":
+            self.compute[(payload["config"], rank)] = payload
+        else:
+            self.schedules[(payload["config"], payload["schedule"], rank)] = payload
+
+
+def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -> tuple[list[dict[str, Any]], dict]:
+    config = CONFIGS[config_name] if not args.smoke else smoke_config(CONFIGS[config_name])
+    m, p = config.micro_batches, WORLD_SIZE
+    per_rank_compute = [collected.compute.get((config_name, rank), {}).get("ms_per_micro_batch")
+                        for rank in range(WORLD_SIZE)]
+    known = [value for value in per_rank_compute if value is not None]
+    compute_ms = max(known) * m if known else None  # the slower stage bounds the pipeline
+    summary = {"config": config_name, "shape": asdict(config), "ideal_1f1b": m / (m + p - 1),
+               "compute_ms_per_micro_batch": per_rank_compute, "stage_compute_ms": compute_ms}
+    rows = []
+    for schedule in args.schedule_list:
+        per_rank = [collected.schedules.get((config_name, schedule, rank)) for rank in range(WORLD_SIZE)]
+        errors = [f"rank {rank}: {r['error']}" for rank, r in enumerate(per_rank) if r and r.get("error")]
+        missing = [rank for rank, r in enumerate(per_rank) if r is None]
+        row: dict[str, Any] = {"config": config_name, "schedule": schedule, "ideal": m / (m + p - 1)}
+        if missing:
+            errors.append(f"no result from rank {missing}")
+        errors.sort(key=lambda text: "peer" in text)  # a rank's own failure first, its peer's echo of it after
+        if errors:
+            # The table gets the first error, short; the JSON keeps every rank's (and tracebacks).
+            row["error"] = errors[0] if len(errors[0]) <= 90 else errors[0][:87] + "..."
+            row["errors"] = errors
+        else:
+            medians = [statistics.median(r["step_ms"]) for r in per_rank]
+            row["step_ms"] = max(medians)  # the step ends when the slower rank is done
+            row["step_ms_per_rank"] = medians
+            row["wall_ms"] = max(r["wall_ms"] for r in per_rank)
+            row["eff"] = compute_ms / row["step_ms"] if compute_ms else None
+            for rank, r in enumerate(per_rank):
+                row[f"mem{rank}_GB"] = r.get("peak_gb")
+            losses = [r.get("loss") for r in per_rank]
+            row["loss"] = losses[-1]  # the last stage is on the last rank in every layout
+            row["loss_per_rank"] = losses
+            row["step_ms_samples"] = [r["step_ms"] for r in per_rank]
+        rows.append(row)
+    baseline = next((r for r in rows if r["schedule"] == BASELINE and "step_ms" in r), None)
+    for row in rows:
+        if baseline is not None and "step_ms" in row:
+            row["speed_vs_torch_1f1b"] = baseline["step_ms"] / row["step_ms"]
+            peaks, base_peaks = peak(row), peak(baseline)
+            row["mem/torch_1f1b"] = peaks / base_peaks if peaks is not None and base_peaks else None
+    return rows, summary
+
+
+def peak(row: dict[str, Any]) -> float | None:
+    values = [row.get(f"mem{rank}_GB") for rank in range(WORLD_SIZE)]
+    return max(values) if all(value is not None for value in values) else None
+
+
+def targets(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The project's targets against torch 1F1B in the same run; n/a when a number is missing."""
+    def find(config: str, schedule: str) -> dict[str, Any]:
+        return next((r for r in rows.get(config, []) if r["schedule"] == schedule), {})
+
+    def verdict(ok: bool | None) -> str:
+        return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+    found = []
+    pc = find("compute", "1f1b")
+    speed, memory = pc.get("speed_vs_torch_1f1b"), pc.get("mem/torch_1f1b")
+    ok = None if speed is None or memory is None else speed >= TARGET_COMPUTE_SPEED and memory <= TARGET_COMPUTE_MEMORY
+    found.append({"target": f"compute: pipecomm 1f1b >= {TARGET_COMPUTE_SPEED:g}x torch 1F1B step speed at <= "
+                            f"{TARGET_COMPUTE_MEMORY:g}x its peak memory",
+                  "value": f"speed {fmt(speed, 'x')}, memory {fmt(memory, 'x')}", "verdict": verdict(ok)})
+    candidates = [r for r in rows.get("compute", [])
+                  if r["schedule"] in PIPECOMM_SCHEDULES and "speed_vs_torch_1f1b" in r]
+    best = max(candidates, key=lambda r: r["speed_vs_torch_1f1b"], default=None)
+    best_speed = best["speed_vs_torch_1f1b"] if best else None
+    found.append({"target": f"compute: best pipecomm schedule >= {TARGET_BEST_SPEED:g}x torch 1F1B step speed",
+                  "value": f"{best['schedule']} {fmt(best_speed, 'x')}" if best else "not measured",
+                  "verdict": verdict(None if best_speed is None else best_speed >= TARGET_BEST_SPEED)})
+    speed = find("overhead", "1f1b").get("speed_vs_torch_1f1b")
+    found.append({"target": f"overhead: pipecomm 1f1b >= {TARGET_OVERHEAD_SPEED:g}x torch 1F1B step speed",
+                  "value": fmt(speed, "x"),
+                  "verdict": verdict(None if speed is None else speed >= TARGET_OVERHEAD_SPEED)})
+    return found
+
+
+def loss_spread(rows: dict[str, list[dict[str, Any]]]) -> float | None:
+    """The largest relative difference of a schedule's loss from the first schedule's, per config."""
+    spreads = []
+    for config_rows in rows.values():
+        losses = [r["loss"] for r in config_rows if r.get("loss") is not None]
+        if len(losses) > 1:
+            spreads.append(max(abs(loss - losses[0]) for loss in losses) / max(abs(losses[0]), 1e-12))
+    return max(spreads) if spreads else None
+
+
+def fmt(value: float | None, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:.3f}{unit}"
+
+
+def plot(path: Path, rows: dict[str, list[dict[str, Any]]], summaries: dict[str, dict]) -> str:
+    """Efficiency per schedule, one group of bars per config, ideal 1F1B as a tick; returns what happened."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as error:
+        return f"no PNG: matplotlib is not importable ({type(error).__name__}: {error})"
+    configs = list(rows)
+    schedules = [s for s in PIPECOMM_SCHEDULES + list(TORCH_SCHEDULES) if any(r["schedule"] == s for c in configs
+                                                                               for r in rows[c])]
+    figure, axes = plt.subplots(figsize=(3.2 + 0.35 * len(configs) * max(len(schedules), 1), 4.2))
+    width = 0.8 / max(len(schedules), 1)
+    colors = plt.get_cmap("tab10")
+    for index, schedule in enumerate(schedules):
+        heights = []
+        for config in configs:
+            row = next((r for r in rows[config] if r["schedule"] == schedule), {})
+            heights.append(row.get("eff") or 0.0)
+        positions = [c + (index - (len(schedules) - 1) / 2) * width for c in range(len(configs))]
+        axes.bar(positions, heights, width, label=schedule, color=colors(index),
+                 hatch="//" if schedule in TORCH_SCHEDULES else None, edgecolor="white")
+    for c, config in enumerate(configs):
+        axes.hlines(summaries[config]["ideal_1f1b"], c - 0.45, c + 0.45, colors="black", linestyles="dashed",
+                    label="ideal 1F1B m/(m+p-1)" if c == 0 else None)
+    axes.set_xticks(range(len(configs)))
+    axes.set_xticklabels([f"{c}\n" + "/".join(str(summaries[c]["shape"][k]) for k in
+                                               ("hidden", "seq", "micro_batch_size", "micro_batches"))
+                          for c in configs])
+    axes.set_ylabel("efficiency = stage compute / step time")
+    axes.set_ylim(0, 1.05)
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes.set_title("2-stage GPT pipeline: pipecomm (solid) vs torch.distributed.pipelining (hatched)", fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return f"plot written to {path}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write all numbers to this JSON file (and the plot beside it)")
+    parser.add_argument("--plot", metavar="PATH", help="PNG of the efficiencies (default: the --json path with .png)")
+    parser.add_argument("--configs", default="all", help="all, or a comma list of: " + ", ".join(CONFIGS))
+    parser.add_argument("--schedules", default="all",
+                        help="all, or a comma list of: " + ", ".join(PIPECOMM_SCHEDULES + list(TORCH_SCHEDULES)))
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per schedule; the median is reported")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (after one connecting step)")
+    parser.add_argument("--timeout", type=int, default=120, help="seconds for init, connect and any one wait")
+    parser.add_argument("--deadline", type=float, default=420.0, help="seconds before the ranks are killed")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny CPU run (gloo, shm channels, fp32, d=32, seq=16, micro-batch size 2) "
+                             "to check the flow")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        # Only options left at their defaults shrink, so a smoke run can still be steered.
+        for name, value in (("steps", 2), ("warmup", 1), ("timeout", 30), ("deadline", 240.0)):
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
+    args.config_list = (list(CONFIGS) if args.configs == "all"
+                        else [c.strip() for c in args.configs.split(",") if c.strip()])
+    known = PIPECOMM_SCHEDULES + list(TORCH_SCHEDULES)
+    args.schedule_list = (known if args.schedules == "all"
+                          else [s.strip() for s in args.schedules.split(",") if s.strip()])
+    for name in args.config_list:
+        if name not in CONFIGS:
+            parser.error(f"unknown config {name!r}; known: {', '.join(CONFIGS)}")
+    for name in args.schedule_list:
+        if name not in known:
+            parser.error(f"unknown schedule {name!r}; known: {', '.join(known)}")
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the ranks
+    if not args.smoke and not (torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE):
+        raise SystemExit(f"needs {WORLD_SIZE} CUDA devices (or --smoke on CPU)")
+    started = time.monotonic()
+    collected = Collector()
+    failure = None
+    outcomes: dict[int, Any] = {}
+    config = {key: value for key, value in vars(args).items()}
+    try:
+        outcomes = spawn_ranks(run_rank, WORLD_SIZE, (config,), deadline=args.deadline, timeout=args.timeout,
+                               on_report=collected)
+    except RankFailure as error:
+        failure = str(error)  # print what was measured before the failure, then the failure
+    env = outcomes.get(0, {}).get("env") or environment(torch.device("cpu" if args.smoke else "cuda"))
+
+    print_environment(env)
+    if args.smoke:
+        print("# SMOKE RUN on CPU: gloo, shm channels, fp32, toy sizes; numbers mean nothing")
+    clock = "host clock" if args.smoke else "CUDA events"
+    print(f"# {NUM_LAYERS} GPT layers, {WORLD_SIZE} ranks; step_ms = median of {args.steps} steps after "
+          f"{args.warmup} warm-up ({clock}, slower rank); wall_ms = host time per step over the timed loop; "
+          "eff = one stage's forward+backward of one micro-batch x micro_batches / step_ms; ideal = m/(m+p-1); "
+          "speed_vs_torch_1f1b = torch 1F1B step_ms / step_ms; memN_GB = peak allocated on rank N")
+    all_rows: dict[str, list[dict[str, Any]]] = {}
+    summaries: dict[str, dict] = {}
+    for name in args.config_list:
+        rows, summary = rows_for(args, collected, name)
+        if not any("step_ms" in r or "error" in r for r in rows) and summary["stage_compute_ms"] is None:
+            continue
+        all_rows[name], summaries[name] = rows, summary
+        shape = summary["shape"]
+        compute = summary["stage_compute_ms"]
+        print(f"\n## {name}: d={shape['hidden']} seq={shape['seq']} micro-batch {shape['micro_batch_size']} x "
+              f"{shape['micro_batches']}; one stage's compute {fmt(compute)} ms per step "
+              f"({fmt(compute / shape['micro_batches'] if compute else None)} ms per micro-batch)")
+        print_table(rows, COLUMNS)
+    goals = targets(all_rows)
+    print()
+    spread = loss_spread(all_rows)
+    if spread is not None:
+        # No optimizer step: every schedule computes the loss of the same model on the same batch.
+        print(f"# same model and data: largest relative loss difference between schedules {spread:.2e} "
+              f"({'ok' if spread <= (1e-4 if args.smoke else 2e-2) else 'MISMATCH'})")
+    for goal in goals:
+        print(f"# target: {goal['target']}: {goal['value']} {goal['verdict']}"
+              + (" (smoke run: meaningless)" if args.smoke else ""))
+    if failure:
+        print(f"# RUN FAILED (results above are partial): {failure}")
+    if args.json or args.plot:
+        plot_path = Path(args.plot) if args.plot else Path(args.json).with_suffix(".png")
+        print(f"# {plot(plot_path, all_rows, summaries)}")
+    print(f"# wall time {time.monotonic() - started:.0f} s")
+    if args.json:
+        tracebacks = {f"{key[0]}/{key[1]}/rank{key[2]}": value["traceback"]
+                      for key, value in collected.schedules.items() if value.get("traceback")}
+        write_json(args.json, {"env": env, "config": config, "configs": summaries, "rows": all_rows,
+                               "targets": goals, "failure": failure, "tracebacks": tracebacks})
+    if failure:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

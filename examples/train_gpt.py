@@ -1,0 +1,148 @@
+"""Trains a small GPT with a tied embedding, pipeline × data parallel: torchrun --nproc_per_node N examples/train_gpt.py --pp P --dp D."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pipecomm
+from pipecomm.schedule import make_schedule, simulate
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention and MLP."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.attention_norm = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.projection = nn.Linear(hidden, hidden)
+        self.mlp_norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        batch, seq, hidden = x.shape
+        q, k, v = self.qkv(self.attention_norm(x)).view(batch, seq, 3, self.heads, -1).unbind(2)
+        attended = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.projection(attended.transpose(1, 2).reshape(batch, seq, hidden))
+        return x + self.down(nn.functional.gelu(self.up(self.mlp_norm(x))))
+
+
+class GPT(nn.Module):
+    """Children run in order (what pipecomm.split supports); the LM head shares the embedding's weight."""
+
+    def __init__(self, vocab: int, hidden: int, heads: int, layers: int, context: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.positions = _Positions(context, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        nn.init.normal_(self.embed.weight, std=0.02)  # tied: it also scales the first logits
+
+
+class _Positions(nn.Module):
+    def __init__(self, context: int, hidden: int):
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(context, hidden))
+
+    def forward(self, x):
+        return x + self.table[: x.shape[1]]
+
+
+def loss_fn(logits, targets):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class Data:
+    """Byte-level windows of a text file, or synthetic counting sequences (learnable) by default."""
+
+    def __init__(self, path: str | None, seq: int, vocab: int):
+        self.seq, self.vocab = seq, vocab
+        self.text = torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8).long() if path else None
+        if self.text is not None and len(self.text) <= seq + 1:
+            raise SystemExit(f"{path} has {len(self.text)} bytes; need more than --seq + 1 = {seq + 1}")
+
+    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(step)
+        if self.text is None:
+            starts = torch.randint(0, self.vocab, (size, 1), generator=generator)
+            tokens = (starts + torch.arange(self.seq + 1)) % self.vocab
+        else:
+            offsets = torch.randint(0, len(self.text) - self.seq - 1, (size,), generator=generator)
+            tokens = torch.stack([self.text[o : o + self.seq + 1] for o in offsets.tolist()])
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / dp)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+    parser.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank for interleaved-1f1b")
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--data", default=None, help="a text file to train on (bytes); synthetic data otherwise")
+    args = parser.parse_args()
+
+    context = pipecomm.init(pipeline_size=args.pp, data_size=args.dp)
+    virtual = args.virtual_stages if args.schedule == "interleaved-1f1b" else 1
+    num_stages = context.num_stages * virtual
+    if args.layers % num_stages:
+        raise SystemExit(f"--layers {args.layers} must be divisible by the {num_stages} stages")
+    torch.manual_seed(0)  # every rank builds the same model, then keeps its own stages
+    model = GPT(256, args.hidden, args.heads, args.layers, args.seq)
+    stages = [context.stage + chunk * context.num_stages for chunk in range(virtual)]
+    modules = pipecomm.split(model, num_stages, stages if virtual > 1 else stages[0], balance="parameters",
+                             device=context.device)
+    pipe = pipecomm.Pipeline(
+        modules, stage=stages if virtual > 1 else stages[0], num_stages=num_stages, loss_fn=loss_fn,
+        micro_batches=args.micro_batches, schedule=args.schedule, group=context.pipeline_group,
+        data_group=context.data_group, device=context.device,
+    )
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    data = Data(args.data, args.seq, 256)
+    replica_batch = args.micro_batches * args.micro_batch_size
+    global_tokens = replica_batch * args.seq * context.data_size
+    theory = simulate(make_schedule(args.schedule, context.num_stages, args.micro_batches, virtual)).bubble_fraction
+    reporter = context.stage == context.num_stages - 1 and context.dp_rank == 0
+    if reporter:
+        print(f"GPT {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, pp={context.num_stages} "
+              f"dp={context.data_size} on {context.device.type}, schedule {args.schedule}, "
+              f"theoretical bubble {theory:.3f}", flush=True)
+    for step in range(1, args.steps + 1):
+        inputs, targets = data.batch(step * context.data_size + context.dp_rank, replica_batch)
+        started = time.perf_counter()
+        loss = pipe.step(inputs, target=targets)
+        pipe.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        loss_value = loss.item()  # logging syncs once per step
+        elapsed = time.perf_counter() - started
+        if reporter:
+            print(f"step {step:4d}  loss {loss_value:.4f}  {global_tokens / elapsed:10.0f} tokens/s  "
+                  f"bubble {pipe.bubble_fraction():.3f}", flush=True)
+        if not math.isfinite(loss_value):
+            raise SystemExit("loss is not finite")
+    pipe.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
