@@ -10,6 +10,7 @@ from torch import nn
 
 from pipecomm._ops import accumulate_
 from pipecomm.schedule import Action, Schedule
+from pipecomm.split_backward import DeferredWeightGrads, backward_input, backward_weight
 from pipecomm.transport import Channel, ChannelError
 
 __all__: list[str] = []
@@ -124,6 +125,7 @@ class StageExecutor:
         self._outputs: dict[tuple[int, int], tuple] = {}
         self._grads_out: dict[tuple[int, int], tuple | None] = {}
         self._grads_in: dict[tuple[int, int], tuple] = {}
+        self._deferred: dict[tuple[int, int], DeferredWeightGrads] = {}
         self._loss: torch.Tensor | None = None
         self._backwards_done: dict[int, int] = dict.fromkeys(self.modules, 0)
         self.timeline = []
@@ -174,17 +176,17 @@ class StageExecutor:
         self._count_backward(stage)
 
     def _backward_input(self, stage: int, micro_batch: int) -> None:
-        """Input grads only (the critical path); the graph is kept for the weight grads later."""
+        """Input grads only (the critical path); what the weight grads need is kept for W."""
         key = (stage, micro_batch)
         inputs = self._stage_inputs.pop(key)
-        wanted = self._grad_inputs(inputs)
-        results = _run_backward(self._outputs[key], self._grads_out[key], wanted, keep_graph=True)
-        self._store_input_grads(key, inputs, results)
+        input_grads, self._deferred[key] = backward_input(
+            self._outputs.pop(key), self._grads_out.pop(key), self._grad_inputs(inputs), self.sinks[stage].params,
+            _run_backward,
+        )
+        self._store_input_grads(key, inputs, input_grads)
 
     def _backward_weight(self, stage: int, micro_batch: int) -> None:
-        key = (stage, micro_batch)
-        outputs, grads = self._outputs.pop(key), self._grads_out.pop(key)
-        self.sinks[stage].add(_run_backward(outputs, grads, self.sinks[stage].params, keep_graph=False))
+        self.sinks[stage].add(backward_weight(self._deferred.pop((stage, micro_batch)), _run_backward))
         self._count_backward(stage)
 
     def _count_backward(self, stage: int) -> None:
