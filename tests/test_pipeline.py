@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ranks import needs_cuda, rank_device, run_ranks
@@ -78,7 +79,8 @@ def reference_grads(stages: list[nn.Module], seed: int):
     return loss.detach()
 
 
-def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_batches: int, kind: str) -> str:
+def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_batches: int, kind: str,
+                transport: str = "auto") -> str:
     """The pipeline (on CPU, or on GPUs through CUDA IPC) against the unsplit model on this process's CPU."""
     num_stages = world_size * virtual
     device = rank_device(rank, kind)
@@ -96,6 +98,7 @@ def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_b
         loss_fn=loss_fn,
         micro_batches=micro_batches,
         schedule=schedule,
+        transport=transport,
         timeout=60,
     )
     params = [p for s in mine for p in stages[s].parameters()]
@@ -283,3 +286,29 @@ def variants(rank: int, world_size: int) -> str:
 
 def test_autocast_compile_main_grad_and_changing_shapes(tmp_path):
     run_ranks(2, variants, tmp_path, timeout=180)
+
+
+def test_training_over_torch_distributed_channels_matches_too(tmp_path):
+    assert run_ranks(2, equivalence, tmp_path, "1f1b", 1, 4, "cpu", "dist", timeout=120) == ["1f1b"] * 2
+
+
+def stalled_peer(rank: int, world_size: int) -> str:
+    stages = build_stages(world_size)
+    pipe = pipecomm.Pipeline(stages[rank], stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=4,
+                             timeout=0.5)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        x, mask, target = batch(0)
+        with pytest.raises(TimeoutError) as error:
+            pipe.step(x, mask, target=target)
+        message = str(error.value)
+        assert "pipeline rank 0, stage 0, micro-batch 0, recv of the gradient from stage 1" in message, message
+        store.set("timed-out", "1")
+    else:
+        store.wait(["timed-out"])  # rank 1 never steps, but keeps its channels open
+    pipe.close()
+    return "ok"
+
+
+def test_a_stalled_peer_times_out_naming_stage_micro_batch_and_action(tmp_path):
+    run_ranks(2, stalled_peer, tmp_path)
