@@ -290,28 +290,6 @@ class _Loopback:
     def recv(self) -> tuple:
         return self._messages.popleft()
 
-    def state_dict(self) -> dict:
-        """This rank's stages' state. Stages made by ``pipecomm.split`` use the original model's names,
-        so ``pipecomm.merge_checkpoints`` of every rank's dict loads into the unsplit model."""
-        state: dict = {}
-        for stage in self.stages:
-            for key, value in self.modules[stage].state_dict().items():
-                if key in state and value is not state[key]:
-                    raise ValueError(f"state_dict: stages on rank {self.rank} both have a {key!r}; name them "
-                                     "uniquely, e.g. with pipecomm.split")
-                state[key] = value
-        return state
-
-    def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        expected = set()
-        for stage in self.stages:
-            keys = self.modules[stage].state_dict().keys()
-            expected.update(keys)
-            self.modules[stage].load_state_dict({k: state[k] for k in keys if k in state}, strict=strict)
-        unexpected = set(state) - expected
-        if strict and unexpected:
-            raise ValueError(f"load_state_dict: keys of no stage on rank {self.rank}: {sorted(unexpected)}")
-
     def close(self) -> None:
         self._messages.clear()
 

@@ -312,3 +312,20 @@ def stalled_peer(rank: int, world_size: int) -> str:
 
 def test_a_stalled_peer_times_out_naming_stage_micro_batch_and_action(tmp_path):
     run_ranks(2, stalled_peer, tmp_path)
+
+
+@pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_one_process_pipeline_without_torch_distributed(schedule, chunks):
+    """A pipeline of one rank (its chunks hand over through a loopback) is plain gradient accumulation."""
+    stages = build_stages(chunks)
+    reference = copy.deepcopy(stages)
+    pipe = pipecomm.Pipeline(
+        stages if chunks > 1 else stages[0], stage=list(range(chunks)) if chunks > 1 else 0, num_stages=chunks,
+        loss_fn=loss_fn, micro_batches=4, schedule=schedule,
+    )
+    x, mask, target = batch(11)
+    loss = pipe.step(x, mask, target=target)
+    torch.testing.assert_close(loss, reference_grads(reference, 11), rtol=1e-5, atol=1e-6)
+    for module, ref_module in zip(stages, reference):
+        for param, ref_param in zip(module.parameters(), ref_module.parameters()):
+            torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6)
