@@ -194,17 +194,26 @@ def _gpipe_order(rank: int, num_ranks: int, micro_batches: int, virtual_stages: 
     return forwards + backwards
 
 
+def _warmup_then_alternate(forward, backward, num_warmup: int, count: int) -> list[Action]:
+    """num_warmup forwards, then each further forward paired with the oldest pending backward, then
+    the remaining backwards: the 1F1B pattern every non-GPipe schedule here shares."""
+    order = [forward(index) for index in range(num_warmup)]
+    for index in range(count):
+        if num_warmup + index < count:
+            order.append(forward(num_warmup + index))
+        order.extend(backward(index))
+    return order
+
+
 def _one_f_one_b_order(rank: int, num_ranks: int, micro_batches: int, virtual_stages: int) -> list[Action]:
     # Rank r's p - r - 1 warm-up forwards keep the ranks after it busy until the first backward
-    # comes back; then each forward is paired with the oldest pending backward, and the backwards
-    # of the last micro-batches drain at the end.
-    num_warmup = num_ranks - rank - 1
-    order = [Action("F", rank, micro_batch) for micro_batch in range(num_warmup)]
-    for micro_batch in range(micro_batches):
-        if num_warmup + micro_batch < micro_batches:
-            order.append(Action("F", rank, num_warmup + micro_batch))
-        order.append(Action("B", rank, micro_batch))
-    return order
+    # comes back; the backwards of the last micro-batches drain at the end.
+    return _warmup_then_alternate(
+        lambda micro_batch: Action("F", rank, micro_batch),
+        lambda micro_batch: [Action("B", rank, micro_batch)],
+        num_ranks - rank - 1,
+        micro_batches,
+    )
 
 
 def _interleaved_order(rank: int, num_ranks: int, micro_batches: int, virtual_stages: int) -> list[Action]:
@@ -221,33 +230,27 @@ def _interleaved_order(rank: int, num_ranks: int, micro_batches: int, virtual_st
         chunk = virtual // num_ranks % virtual_stages
         return Action("F", chunk * num_ranks + rank, micro_batch_of(virtual))
 
-    def backward(virtual: int) -> Action:
+    def backward(virtual: int) -> list[Action]:
         chunk = virtual_stages - 1 - virtual // num_ranks % virtual_stages
-        return Action("B", chunk * num_ranks + rank, micro_batch_of(virtual))
+        return [Action("B", chunk * num_ranks + rank, micro_batch_of(virtual))]
 
     num_warmup = min((num_ranks - rank - 1) * 2 + (virtual_stages - 1) * num_ranks, num_virtual)
-    order = [forward(virtual) for virtual in range(num_warmup)]
-    for virtual in range(num_virtual):
-        if num_warmup + virtual < num_virtual:
-            order.append(forward(num_warmup + virtual))
-        order.append(backward(virtual))
-    return order
+    return _warmup_then_alternate(forward, backward, num_warmup, num_virtual)
 
 
 def _zb_h1_order(rank: int, num_ranks: int, micro_batches: int, virtual_stages: int) -> list[Action]:
     # 1F1B with B split: I stays on the critical path where B was, and rank r runs each W r
     # micro-batches late. Every rank then holds num_ranks activations at its peak, the most any rank
     # holds in 1F1B (rank 0), and the late Ws fill the cool-down, where later ranks would idle.
-    num_warmup = num_ranks - rank - 1
-    order = [Action("F", rank, micro_batch) for micro_batch in range(num_warmup)]
-    for micro_batch in range(micro_batches):
-        if num_warmup + micro_batch < micro_batches:
-            order.append(Action("F", rank, num_warmup + micro_batch))
-        order.append(Action("I", rank, micro_batch))
-        if micro_batch >= rank:
-            order.append(Action("W", rank, micro_batch - rank))
-    order += [Action("W", rank, micro_batch) for micro_batch in range(micro_batches - rank, micro_batches)]
-    return order
+    def input_then_late_weight(micro_batch: int) -> list[Action]:
+        late = [Action("W", rank, micro_batch - rank)] if micro_batch >= rank else []
+        return [Action("I", rank, micro_batch)] + late
+
+    order = _warmup_then_alternate(
+        lambda micro_batch: Action("F", rank, micro_batch), input_then_late_weight, num_ranks - rank - 1,
+        micro_batches,
+    )
+    return order + [Action("W", rank, micro_batch) for micro_batch in range(micro_batches - rank, micro_batches)]
 
 
 _COMPUTE_ORDERS: dict[str, Callable[[int, int, int, int], list[Action]]] = {
