@@ -468,6 +468,10 @@ void test_grow_shrink() {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   ShmRingReceiver receiver(receiver_config(name, 2, 4096, 10.0));
   std::promise<void> shrunk;
+  // The receiver grows whenever it sees a request, also inside an earlier recv(); the sender waits
+  // for these before asking, so the generation checks below see one grow at a time.
+  std::promise<void> first_checked;
+  std::promise<void> second_checked;
   const std::vector<size_t> sizes{100, 1 << 20, 64, 3 << 20, 10, 0, 2 << 20};
   run_concurrently(
       [&] {
@@ -476,9 +480,18 @@ void test_grow_shrink() {
           const auto payload = pattern(sizes[index], index);
           sender.send_bytes(payload.data(), payload.size(), static_cast<uint32_t>(index));
         };
-        for (size_t index = 0; index < 4; ++index) send_planned(index);
+        // Bounded waits: a failed receiver never sets them, and the test must fail, not hang.
+        auto await_receiver = [](std::promise<void>& signal, const char* what) {
+          CHECK_MSG(signal.get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready, what);
+        };
+        send_planned(0);
+        await_receiver(first_checked, "the receiver never checked generation 1");
+        send_planned(1);
+        send_planned(2);
+        await_receiver(second_checked, "the receiver never checked generation 2");
+        send_planned(3);
         CHECK(sender.slot_bytes() >= (3u << 20));
-        shrunk.get_future().wait();
+        await_receiver(shrunk, "the receiver never shrank");
         send_planned(4);
         CHECK_MSG(sender.slot_bytes() == page, "sender slot " + std::to_string(sender.slot_bytes()));
         send_planned(5);
@@ -493,12 +506,14 @@ void test_grow_shrink() {
         const Message small = receiver.recv();
         expect(small, 0);
         CHECK(receiver.generation() == 1 && receiver.slot_bytes() == 4096);
+        first_checked.set_value();
         CHECK(!receiver.shrink(1));  // still holding message 0
         receiver.release(0);
 
         const Message large = receiver.recv();
         expect(large, 1);
         CHECK(receiver.generation() == 2 && receiver.slot_bytes() >= (1u << 20));
+        second_checked.set_value();
         receiver.release(1);
 
         const Message held = receiver.recv();
