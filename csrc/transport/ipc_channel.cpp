@@ -19,24 +19,15 @@
 namespace pipecomm::transport {
 namespace {
 
-// One region per tensor, at the offsets pack() would give them, so both ends agree from shapes alone.
-std::vector<CopyRegion> regions_of(const std::vector<at::Tensor>& tensors) {
+// One region per tensor, at the offsets pack() gives them (packed_offsets), so both ends agree from
+// shapes alone.
+std::vector<CopyRegion> regions_of(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& offsets) {
   std::vector<CopyRegion> regions;
   regions.reserve(tensors.size());
-  size_t offset = 0;
-  for (const at::Tensor& tensor : tensors) {
-    regions.push_back({tensor.data_ptr(), offset, tensor.nbytes()});
-    offset += static_cast<size_t>(align_up(static_cast<int64_t>(tensor.nbytes()), kPackAlignment));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    regions.push_back({tensors[i].data_ptr(), static_cast<size_t>(offsets[i]), tensors[i].nbytes()});
   }
   return regions;
-}
-
-size_t packed_bytes(const std::vector<at::Tensor>& tensors) {
-  size_t total = 0;
-  for (const at::Tensor& tensor : tensors) {
-    total += static_cast<size_t>(align_up(static_cast<int64_t>(tensor.nbytes()), kPackAlignment));
-  }
-  return total;
 }
 
 // Messages up to this size are copied on the caller's stream: no events to order two streams, so
@@ -88,7 +79,8 @@ class IpcChannel {
   size_t send(const py::sequence& entries) {
     const Entries outgoing = outgoing_entries(entries, device_, send_direction_);
     const std::vector<at::Tensor> tensors = present_tensors(outgoing);
-    const size_t needed = packed_bytes(tensors);
+    const std::vector<int64_t> offsets = packed_offsets(tensors);
+    const auto needed = static_cast<size_t>(offsets.back());
     if (needed > sender_->slot_bytes()) return needed;
     MessageMeta meta = describe(outgoing);
     py::gil_scoped_release no_gil;
@@ -99,11 +91,11 @@ class IpcChannel {
     }
     const c10::cuda::CUDAGuard guard(device_);
     if (needed <= kCallerStreamMaxBytes) {
-      sender_->enqueue_send(send_seq_, regions_of(tensors), caller_stream().stream());
+      sender_->enqueue_send(send_seq_, regions_of(tensors, offsets), caller_stream().stream());
     } else {
       // The tensors were written on the caller's stream; the copies run on the channel's stream.
       wait_for_caller();
-      sender_->enqueue_send(send_seq_, regions_of(tensors), stream_.stream());
+      sender_->enqueue_send(send_seq_, regions_of(tensors, offsets), stream_.stream());
       // Keeps the caching allocator from reusing their memory before the copies have read it.
       for (const at::Tensor& tensor : tensors) {
         c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), stream_);
@@ -133,13 +125,14 @@ class IpcChannel {
       const c10::cuda::CUDAGuard guard(device_);
       incoming = allocate(received_meta_, device_);
       const std::vector<at::Tensor> tensors = present_tensors(incoming);
+      const std::vector<int64_t> offsets = packed_offsets(tensors);
       const std::lock_guard<std::mutex> lock(receiver_mutex_);
-      if (packed_bytes(tensors) <= kCallerStreamMaxBytes) {
-        receiver_.enqueue_receive(recv_seq_, regions_of(tensors), caller_stream().stream());
+      if (static_cast<size_t>(offsets.back()) <= kCallerStreamMaxBytes) {
+        receiver_.enqueue_receive(recv_seq_, regions_of(tensors, offsets), caller_stream().stream());
       } else {
         // The fresh outputs may reuse memory the caller's stream was still using.
         wait_for_caller();
-        receiver_.enqueue_receive(recv_seq_, regions_of(tensors), stream_.stream());
+        receiver_.enqueue_receive(recv_seq_, regions_of(tensors, offsets), stream_.stream());
         for (const at::Tensor& tensor : tensors) {
           c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), stream_);
         }

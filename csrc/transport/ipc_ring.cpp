@@ -160,7 +160,25 @@ size_t round_slot_bytes(size_t bytes, const std::string& prefix) {
   return (bytes + kIpcSlotAlignment - 1) / kIpcSlotAlignment * kIpcSlotAlignment;
 }
 
-uint32_t round_of(uint64_t seq, uint32_t num_slots) { return static_cast<uint32_t>(seq / num_slots + 1); }
+// Where message seq lives: its slot, the round that slot's counters reach for it, and the slot's
+// two counters in the flags allocation (ready[K], then ack[K], each in its own line).
+struct SlotPosition {
+  uint32_t slot;
+  uint32_t round;
+  const void* ready;
+  const void* ack;
+
+  std::string describe(uint64_t seq) const {
+    return "message " + std::to_string(seq) + ", slot " + std::to_string(slot) + ", round " + std::to_string(round);
+  }
+};
+
+SlotPosition slot_position(const void* flags, uint32_t num_slots, uint64_t seq) {
+  const auto slot = static_cast<uint32_t>(seq % num_slots);
+  const auto* base = static_cast<const char*>(flags);
+  return {slot, static_cast<uint32_t>(seq / num_slots + 1), base + size_t{slot} * kFlagLineBytes,
+          base + (size_t{num_slots} + slot) * kFlagLineBytes};
+}
 
 template <typename T>
 void put(std::string& blob, size_t offset, const T& value) {
@@ -370,19 +388,14 @@ void IpcRingReceiver::enqueue_receive(uint64_t seq, const CopyRegion* regions, s
   const DriverApi& api = driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
 
-  const uint32_t slot = static_cast<uint32_t>(seq % num_slots_);
-  const uint32_t round = round_of(seq, num_slots_);
-  char* flags = static_cast<char*>(flags_);
-  const void* ready = flags + size_t{slot} * kFlagLineBytes;
-  const void* ack = flags + (size_t{num_slots_} + slot) * kFlagLineBytes;
-  const char* slot_data = static_cast<const char*>(generation.data) + size_t{slot} * generation.slot_bytes;
+  const SlotPosition position = slot_position(flags_, num_slots_, seq);
+  const char* slot_data = static_cast<const char*>(generation.data) + size_t{position.slot} * generation.slot_bytes;
   // Built only on failure: this is the per-message hot path.
-  const auto what = [&] {
-    return "message " + std::to_string(seq) + ", slot " + std::to_string(slot) + ", round " + std::to_string(round);
-  };
+  const auto what = [&] { return position.describe(seq); };
 
   // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
-  if (const CUresult result = api.wait_value32(stream, device_address(ready), round, CU_STREAM_WAIT_VALUE_GEQ);
+  if (const CUresult result =
+          api.wait_value32(stream, device_address(position.ready), position.round, CU_STREAM_WAIT_VALUE_GEQ);
       result != CUDA_SUCCESS) {
     check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "ready, " + what());
   }
@@ -395,7 +408,8 @@ void IpcRingReceiver::enqueue_receive(uint64_t seq, const CopyRegion* regions, s
     }
   }
   // The default flags order the write after the copies' memory accesses.
-  if (const CUresult result = api.write_value32(stream, device_address(ack), round, CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (const CUresult result =
+          api.write_value32(stream, device_address(position.ack), position.round, CU_STREAM_WRITE_VALUE_DEFAULT);
       result != CUDA_SUCCESS) {
     check_driver(result, api, error_prefix_, "cuStreamWriteValue32", "ack, " + what());
   }
@@ -516,20 +530,15 @@ void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t
   const DriverApi& api = driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
 
-  const uint32_t slot = static_cast<uint32_t>(seq % num_slots_);
-  const uint32_t round = round_of(seq, num_slots_);
-  char* flags = static_cast<char*>(flags_);
-  const void* ready = flags + size_t{slot} * kFlagLineBytes;
-  const void* ack = flags + (size_t{num_slots_} + slot) * kFlagLineBytes;
-  char* slot_data = static_cast<char*>(generation.data) + size_t{slot} * generation.slot_bytes;
+  const SlotPosition position = slot_position(flags_, num_slots_, seq);
+  char* slot_data = static_cast<char*>(generation.data) + size_t{position.slot} * generation.slot_bytes;
   // Built only on failure: this is the per-message hot path.
-  const auto what = [&] {
-    return "message " + std::to_string(seq) + ", slot " + std::to_string(slot) + ", round " + std::to_string(round);
-  };
+  const auto what = [&] { return position.describe(seq); };
 
   // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
   if (seq >= num_slots_) {  // the slot's previous occupant (message seq - K) must have been copied out
-    if (const CUresult result = api.wait_value32(stream, device_address(ack), round - 1, CU_STREAM_WAIT_VALUE_GEQ);
+    if (const CUresult result =
+            api.wait_value32(stream, device_address(position.ack), position.round - 1, CU_STREAM_WAIT_VALUE_GEQ);
         result != CUDA_SUCCESS) {
       check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "ack, " + what());
     }
@@ -543,7 +552,8 @@ void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t
     }
   }
   // The default flags put a memory barrier before the write: the data is visible before the flag.
-  if (const CUresult result = api.write_value32(stream, device_address(ready), round, CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (const CUresult result =
+          api.write_value32(stream, device_address(position.ready), position.round, CU_STREAM_WRITE_VALUE_DEFAULT);
       result != CUDA_SUCCESS) {
     check_driver(result, api, error_prefix_, "cuStreamWriteValue32", "ready, " + what());
   }
@@ -557,13 +567,9 @@ void IpcRingSender::enqueue_wait_consumed(uint64_t seq, cudaStream_t stream) {
   }
   const DriverApi& api = driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
-  const uint32_t slot = static_cast<uint32_t>(seq % num_slots_);
-  const uint32_t round = round_of(seq, num_slots_);
-  const void* ack = static_cast<char*>(flags_) + (size_t{num_slots_} + slot) * kFlagLineBytes;
-  check_driver(api.wait_value32(stream, device_address(ack), round, CU_STREAM_WAIT_VALUE_GEQ), api, error_prefix_,
-               "cuStreamWaitValue32",
-               "ack, message " + std::to_string(seq) + ", slot " + std::to_string(slot) + ", round " +
-                   std::to_string(round));
+  const SlotPosition position = slot_position(flags_, num_slots_, seq);
+  check_driver(api.wait_value32(stream, device_address(position.ack), position.round, CU_STREAM_WAIT_VALUE_GEQ), api,
+               error_prefix_, "cuStreamWaitValue32", "ack, " + position.describe(seq));
 }
 
 }  // namespace pipecomm::transport
