@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -176,6 +177,23 @@ def init_rank_group(rank: int, world_size: int, store_port: int, backend: str, t
     extra = {"device_id": device} if device is not None and device.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta, **extra)
     return store
+
+
+def start_rank(rank: int, world_size: int, store_port: int, smoke: bool, timeout: float) -> tuple[torch.device, Any]:
+    """A bench rank's setup: NVLink multicast off, its GPU (the CPU in smoke runs) and the process
+    group (NCCL, gloo in smoke runs). Returns the device and the shared store."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # as in scripts/gpu_check.sh; before NCCL starts
+    # Eager init (device_id) runs unbatched send/recv on the group's one communicator, serialized with
+    # its other ops; the ranks here issue them in one order anyway, so the per-process warning is noise.
+    os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
+    if smoke:
+        torch.set_num_threads(1)  # several ranks on a small machine
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    store = init_rank_group(rank, world_size, store_port, "gloo" if smoke else "nccl", timeout, device)
+    return device, store
 
 
 def _rank_entry(rank: int, world_size: int, store_port: int, messages: Any, fn: Callable[..., Any],

@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from _common import RankFailure, environment, init_rank_group, print_environment, print_table, spawn_ranks, write_json
+from _common import RankFailure, environment, print_environment, print_table, spawn_ranks, start_rank, write_json
 
 WORLD_SIZE = 2
 NUM_LAYERS = 8
@@ -324,15 +324,7 @@ class Rank:
 def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any], None],
              config: dict[str, Any]) -> dict[str, Any]:
     args = argparse.Namespace(**config)
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off, as in scripts/gpu_check.sh; before NCCL starts
-    os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
-    if args.smoke:
-        torch.set_num_threads(1)  # two ranks on a small machine
-        device = torch.device("cpu")
-    else:
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    store = init_rank_group(rank, world_size, store_port, "gloo" if args.smoke else "nccl", args.timeout, device)
+    device, store = start_rank(rank, world_size, store_port, args.smoke, args.timeout)
     me = Rank(rank, args, store)
     env = environment(device) if rank == 0 else None
     if env is not None:

@@ -39,11 +39,11 @@ from _common import (
     RankFailure,
     environment,
     gb_per_s,
-    init_rank_group,
     mixed_tensors,
     print_environment,
     print_table,
     spawn_ranks,
+    start_rank,
     write_json,
 )
 
@@ -487,17 +487,7 @@ def rank_environment(ctx: RankContext, backend: str | None, channel_error: str |
 
 def run_rank(rank: int, world_size: int, store_port: int, report: Any, config: dict[str, Any]) -> dict[str, Any]:
     args = argparse.Namespace(**config)
-    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off, as in scripts/gpu_check.sh; before NCCL starts
-    # Eager init (device_id) runs unbatched send/recv on the group's one communicator, serialized with
-    # its other ops; the ranks here issue them in one order anyway, so the per-process warning is noise.
-    os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
-    if args.smoke:
-        torch.set_num_threads(1)  # two ranks on a small machine
-        device = torch.device("cpu")
-    else:
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    store = init_rank_group(rank, world_size, store_port, "gloo" if args.smoke else "nccl", args.timeout, device)
+    device, store = start_rank(rank, world_size, store_port, args.smoke, args.timeout)
     ctx = RankContext(rank, 1 - rank, device, store, Clock(device), args)
     torch.manual_seed(rank)
     ctx.sync()
