@@ -14,7 +14,8 @@ of one stage's 4 layers on one micro-batch on one GPU without a pipeline, times 
 slower of the two stages), the ideal 1F1B efficiency m / (m + p - 1), and each rank's peak memory
 (torch.cuda.max_memory_allocated, reset before each schedule; model weights included).
 
-Schedules: pipecomm gpipe, 1f1b, interleaved-1f1b (v=2), zb-h1, and torch.distributed.pipelining's
+Schedules: pipecomm gpipe, 1f1b, interleaved-1f1b (v=2), zb-h1, 1f1b and interleaved-1f1b with CUDA graphs
+(Pipeline(cuda_graphs=True), rows "+graphs"), and torch.distributed.pipelining's
 ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2) and ScheduleInterleavedZeroBubble (v=2)
 through PipelineStage, all in the same run. A schedule that fails is reported as an error string.
 --smoke runs it on CPU (gloo, pipecomm's shared-memory channels, fp32, d=32, seq=16) to check the
@@ -48,7 +49,8 @@ WORLD_SIZE = 2
 NUM_LAYERS = 8
 VIRTUAL = 2  # chunks per rank for the interleaved schedules
 
-PIPECOMM_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+GRAPHS = "+graphs"  # suffix: the same schedule with Pipeline(cuda_graphs=True)
+PIPECOMM_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "1f1b" + GRAPHS, "interleaved-1f1b" + GRAPHS]
 TORCH_SCHEDULES = {  # row name -> (class name in torch.distributed.pipelining, chunks per rank)
     "torch GPipe": ("ScheduleGPipe", 1),
     "torch 1F1B": ("Schedule1F1B", 1),
@@ -240,6 +242,8 @@ class Rank:
     def pipecomm_runner(self, config: Config, schedule: str) -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
         import pipecomm
 
+        cuda_graphs = schedule.endswith(GRAPHS)
+        schedule = schedule.removesuffix(GRAPHS)
         chunks = VIRTUAL if schedule.startswith("interleaved") else 1
         held = chunk_layers(self.rank, chunks)
         modules = [build_chunk(layers, config, self.device, self.dtype) for _, layers in held]
@@ -253,6 +257,7 @@ class Rank:
             schedule=schedule,
             device=self.device,
             timeout=float(self.args.timeout),
+            cuda_graphs=cuda_graphs,
         )
         inputs, target = self.batch(config)
 
@@ -440,9 +445,12 @@ def targets(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     found.append({"target": f"compute: best pipecomm schedule >= {TARGET_BEST_SPEED:g}x torch 1F1B step speed",
                   "value": f"{best['schedule']} {fmt(best_speed, 'x')}" if best else "not measured",
                   "verdict": verdict(None if best_speed is None else best_speed >= TARGET_BEST_SPEED)})
-    speed = find("overhead", "1f1b").get("speed_vs_torch_1f1b")
-    found.append({"target": f"overhead: pipecomm 1f1b >= {TARGET_OVERHEAD_SPEED:g}x torch 1F1B step speed",
-                  "value": fmt(speed, "x"),
+    overhead = [r for r in (find("overhead", "1f1b"), find("overhead", "1f1b" + GRAPHS)) if "speed_vs_torch_1f1b" in r]
+    best = max(overhead, key=lambda r: r["speed_vs_torch_1f1b"], default=None)
+    speed = best["speed_vs_torch_1f1b"] if best else None
+    found.append({"target": f"overhead: pipecomm 1f1b (eager or {GRAPHS}) >= {TARGET_OVERHEAD_SPEED:g}x torch 1F1B "
+                            "step speed",
+                  "value": f"{best['schedule']} {fmt(speed, 'x')}" if best else "not measured",
                   "verdict": verdict(None if speed is None else speed >= TARGET_OVERHEAD_SPEED)})
     return found
 
@@ -526,7 +534,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.config_list = (list(CONFIGS) if args.configs == "all"
                         else [c.strip() for c in args.configs.split(",") if c.strip()])
     known = PIPECOMM_SCHEDULES + list(TORCH_SCHEDULES)
-    args.schedule_list = (known if args.schedules == "all"
+    # CUDA graphs need a GPU: a smoke run leaves those rows out unless named.
+    everything = [name for name in known if not (args.smoke and name.endswith(GRAPHS))]
+    args.schedule_list = (everything if args.schedules == "all"
                           else [s.strip() for s in args.schedules.split(",") if s.strip()])
     for name in args.config_list:
         if name not in CONFIGS:

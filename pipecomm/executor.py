@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from pipecomm._ops import accumulate_
+from pipecomm.cuda_graphs import GraphedStage, in_flight_slots
 from pipecomm.schedule import Action, Schedule
-from pipecomm.split_backward import DeferredWeightGrads, backward_input, backward_weight
+from pipecomm.split_backward import DeferredGrad, WeightGradStore, weight_grad
 from pipecomm.transport import Channel, ChannelError
 
 __all__: list[str] = []
@@ -43,6 +44,10 @@ def _run_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor 
     return torch.autograd.Variable._execution_engine.run_backward(
         tensors, grad_tensors, keep_graph, False, tuple(inputs), True, False
     )
+
+
+def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return tensor.clone() if tensor is not None else None
 
 
 def _free_storage(outputs: tuple) -> None:
@@ -93,6 +98,23 @@ class GradientSink:
                 target.add_(grad)
         accumulate_(accumulators, sources)
 
+    def add_weight_grad(self, param: nn.Parameter, grad_output: torch.Tensor, x: torch.Tensor) -> None:
+        """A deferred Linear's weight gradient; where the dtypes allow, the GEMM accumulates in place."""
+        target = self.target(param)
+        if target is not None and target.dtype == x.dtype:
+            target.addmm_(grad_output.reshape(-1, grad_output.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+        else:
+            self.add_one(param, weight_grad(grad_output, x))
+
+    def add_one(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        target = self.target(param)
+        if target is None:
+            param.grad = grad.to(param.dtype)
+        elif (target.dtype, grad.dtype) in _NATIVE_PAIRS:
+            accumulate_([target], [grad])
+        else:
+            target.add_(grad)
+
 
 class StageExecutor:
     """Executes a rank's actions for one step; holds nothing between steps but the timeline."""
@@ -106,6 +128,8 @@ class StageExecutor:
         channels: dict[tuple[int, str], Channel],
         loss_fn: Callable,
         on_stage_backward_done: Callable[[int], None] | None = None,
+        weight_grad_store: WeightGradStore | None = None,
+        cuda_graphs: bool = False,
     ):
         self.schedule = schedule
         self.rank = rank
@@ -115,6 +139,13 @@ class StageExecutor:
         self.loss_fn = loss_fn
         self.last_stage = schedule.num_stages - 1
         self.on_stage_backward_done = on_stage_backward_done
+        self.weight_grad_store = weight_grad_store
+        # Built (and the schedule checked) here, before any communication; captured at the first forward.
+        self.graphed = {
+            stage: GraphedStage(module, sinks[stage].params, in_flight_slots(schedule, rank, stage), stage,
+                                self._scaled_loss if stage == self.last_stage else None)
+            for stage, module in modules.items()
+        } if cuda_graphs else {}
         self.timeline: list[tuple[float, float, Action]] = []
 
     def run(self, inputs: list[tuple] | None, targets: list[tuple] | None) -> torch.Tensor | None:
@@ -125,7 +156,7 @@ class StageExecutor:
         self._outputs: dict[tuple[int, int], tuple] = {}
         self._grads_out: dict[tuple[int, int], tuple | None] = {}
         self._grads_in: dict[tuple[int, int], tuple] = {}
-        self._deferred: dict[tuple[int, int], DeferredWeightGrads] = {}
+        self._deferred: dict[tuple[int, int], list[DeferredGrad]] = {}
         self._loss: torch.Tensor | None = None
         self._backwards_done: dict[int, int] = dict.fromkeys(self.modules, 0)
         self.timeline = []
@@ -142,29 +173,77 @@ class StageExecutor:
 
     # -- compute -------------------------------------------------------------------------------
 
+    def _scaled_loss(self, output, *targets) -> torch.Tensor:
+        # The one place the loss is scaled: the step's gradients then average the micro-batches.
+        return self.loss_fn(output, *targets) / self.schedule.micro_batches
+
     def _forward(self, stage: int, micro_batch: int) -> None:
         key = (stage, micro_batch)
-        if stage == 0:
-            args = self._inputs[micro_batch]
-        else:
+        last = stage == self.last_stage
+        args = self._inputs[micro_batch] if stage == 0 else self._received.pop(key)
+        graphed = self.graphed.get(stage)
+        if graphed:
+            self._stage_inputs[key] = args
+            outputs = graphed.forward(micro_batch, args, self._targets[micro_batch] if last else ())
+            if last:
+                self._add_loss(outputs[0].clone())  # the graph's loss buffer is rewritten by the next replay
+            self._outputs[key] = outputs
+            return
+        if stage > 0:
             # Received activations become leaves whose grads are sent back to the previous stage.
-            args = tuple(
-                t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                for t in self._received.pop(key)
-            )
+            args = tuple(t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                         for t in args)
         self._stage_inputs[key] = args
         output = self.modules[stage](*args)
-        if stage == self.last_stage:
-            # The one place the loss is scaled: the step's gradients then average the micro-batches.
-            loss = self.loss_fn(output, *self._targets[micro_batch]) / self.schedule.micro_batches
+        if last:
+            loss = self._scaled_loss(output, *self._targets[micro_batch])
             self._outputs[key] = (loss,)
             self._grads_out[key] = (torch.ones_like(loss),)
-            detached = loss.detach()
-            self._loss = detached if self._loss is None else self._loss + detached
+            self._add_loss(loss.detach())
         else:
             self._outputs[key] = _as_tuple(output)
 
+    def _add_loss(self, loss: torch.Tensor) -> None:
+        self._loss = loss if self._loss is None else self._loss + loss
+
     def _backward(self, stage: int, micro_batch: int) -> None:
+        if stage in self.graphed:
+            self._replay_backward(stage, micro_batch)
+        else:
+            self._run_stage_backward(stage, micro_batch)
+        self._count_backward(stage)
+
+    def _replay_backward(self, stage: int, micro_batch: int) -> None:
+        key = (stage, micro_batch)
+        del self._outputs[key]
+        input_grads, param_grads = self.graphed[stage].backward(micro_batch, self._grads_out.pop(key, None))
+        inputs = self._stage_inputs.pop(key)
+        if stage > 0:
+            # Copies: the slot's buffers are rewritten by its next replay, maybe before a send has read them.
+            remaining = iter(input_grads)
+            self._grads_in[key] = tuple(
+                _clone(next(remaining)) if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+                for t in inputs
+            )
+        self.sinks[stage].add(param_grads)
+
+    def _backward_input(self, stage: int, micro_batch: int) -> None:
+        """Input grads and the cheap parameter grads now (the critical path); Linear weight grads wait for W."""
+        deferred: list[DeferredGrad] = []
+        self.weight_grad_store.collecting = deferred
+        try:
+            self._run_stage_backward(stage, micro_batch)
+        finally:
+            self.weight_grad_store.collecting = None
+        self._deferred[(stage, micro_batch)] = deferred
+
+    def _backward_weight(self, stage: int, micro_batch: int) -> None:
+        sink = self.sinks[stage]
+        for param, x, grad_output in self._deferred.pop((stage, micro_batch)):
+            sink.add_weight_grad(param, grad_output, x)
+        self._count_backward(stage)
+
+    def _run_stage_backward(self, stage: int, micro_batch: int) -> None:
         key = (stage, micro_batch)
         outputs, grads = self._outputs.pop(key), self._grads_out.pop(key)
         inputs = self._stage_inputs.pop(key)
@@ -173,21 +252,6 @@ class StageExecutor:
         results = _run_backward(outputs, grads, wanted + params, keep_graph=False)
         self._store_input_grads(key, inputs, results[: len(wanted)])
         self.sinks[stage].add(results[len(wanted) :])
-        self._count_backward(stage)
-
-    def _backward_input(self, stage: int, micro_batch: int) -> None:
-        """Input grads only (the critical path); what the weight grads need is kept for W."""
-        key = (stage, micro_batch)
-        inputs = self._stage_inputs.pop(key)
-        input_grads, self._deferred[key] = backward_input(
-            self._outputs.pop(key), self._grads_out.pop(key), self._grad_inputs(inputs), self.sinks[stage].params,
-            _run_backward,
-        )
-        self._store_input_grads(key, inputs, input_grads)
-
-    def _backward_weight(self, stage: int, micro_batch: int) -> None:
-        self.sinks[stage].add(backward_weight(self._deferred.pop((stage, micro_batch)), _run_backward))
-        self._count_backward(stage)
 
     def _count_backward(self, stage: int) -> None:
         """Tells the data-parallel reducer when a stage's gradients are final for this step."""

@@ -15,6 +15,7 @@ from pipecomm import microbatch, transport
 from pipecomm.executor import GradientSink, StageExecutor
 from pipecomm.grad_sync import DataParallelGrads, SharedParameters
 from pipecomm.schedule import SCHEDULES, Schedule, make_schedule, validate
+from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
 
 __all__ = ["Pipeline"]
 
@@ -33,6 +34,9 @@ class Pipeline:
     data-parallel replicas, whose gradients are averaged (``pipecomm.init`` makes both).
     Parameters that ``pipecomm.split`` found shared between stages (a tied embedding and LM head)
     start from the lowest holder's value and have their gradients summed across the holders.
+    ``cuda_graphs=True`` captures each stage's forward and backward as CUDA graphs at the first
+    step and replays them, for small models bound by kernel launches; shapes must then stay fixed
+    (gpipe, 1f1b and interleaved-1f1b).
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class Pipeline:
         transport: str = "auto",
         timeout: float = transport.DEFAULT_TIMEOUT,
         main_grad: bool = False,
+        cuda_graphs: bool = False,
     ):
         modules = list(module) if isinstance(module, (list, tuple)) else [module]
         stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
@@ -65,17 +70,24 @@ class Pipeline:
         self.micro_batches = micro_batches
         self.modules = dict(zip(stages, modules))
         self.device = torch.device(device) if device is not None else _module_device(modules)
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"Pipeline: cuda_graphs=True needs stages on a CUDA device, not {self.device}")
         self._sinks = {s: GradientSink(list(self.modules[s].parameters()), main_grad) for s in self.stages}
-        self._channels = self._connect(transport, timeout)
         self._data_parallel = (
             DataParallelGrads(self._sinks, data_group)
             if data_group is not None and dist.get_world_size(data_group) > 1
             else None
         )
+        splits_backward = any(action.kind == "I" for action in self.schedule.actions[self.rank])
+        store = WeightGradStore() if splits_backward else None
+        self._channels: dict[tuple[int, str], object] = {}
         self._executor = StageExecutor(
             self.schedule, self.rank, self.modules, self._sinks, self._channels, loss_fn,
             on_stage_backward_done=self._data_parallel.start if self._data_parallel else None,
+            weight_grad_store=store, cuda_graphs=cuda_graphs,
         )
+        self._channels.update(self._connect(transport, timeout))
+        self._undo_deferral = defer_linear_weight_grads(modules, store) if store else lambda: None
         self._last_rank = self.schedule.stage_rank(num_stages - 1)
         self._shared = (
             SharedParameters(self.modules, lambda s: self._global_rank(self.schedule.stage_rank(s)))
@@ -226,6 +238,7 @@ class Pipeline:
             raise ValueError(f"load_state_dict: keys of no stage on rank {self.rank}: {sorted(unexpected)}")
 
     def close(self) -> None:
+        self._undo_deferral()
         for channel in set(self._channels.values()):
             channel.close()
 

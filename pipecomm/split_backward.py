@@ -1,145 +1,102 @@
-"""A stage's backward split in two, as zero-bubble schedules need: input gradients now (I), weight gradients later (W).
+"""Zero-bubble backward split: input gradients now (I), the Linear layers' weight-gradient GEMMs later (W).
 
-I runs the autograd engine only towards the stage's inputs. On the way it records the gradient
-arriving at each "intermediate" node: a node on the input path from which a parameter hangs. W
-then starts, for each group of parameters hanging off the same intermediates, from those recorded
-gradients and walks only the short subgraph down to them, instead of re-running the backward.
+Zero-bubble schedules run a stage's backward in two parts so that the part the previous stage waits
+for (the input gradients) runs first and the rest fills the bubbles. As in the zero-bubble paper's
+and Megatron's implementations, what is deferred is the weight-gradient GEMM of every ``nn.Linear``
+(half of a transformer's backward FLOPs): during I such a layer returns its input gradient and its
+bias gradient, and records its input and output gradient; W turns those into the weight gradient,
+accumulated straight into the gradient buffer by the GEMM itself. Every other parameter (norms,
+embeddings, custom layers) gets its gradient during I. I frees the autograd graph as an ordinary
+backward does, so between I and W a micro-batch holds only what W needs.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Callable, Iterable
 
 import torch
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+import torch.nn.functional as F
+from torch import nn
 
 __all__: list[str] = []
 
-RunBackward = Callable[[Sequence[torch.Tensor], Sequence, Sequence[torch.Tensor], bool], tuple]
+# One deferred weight gradient: (weight, the layer's input, the gradient of its output).
+DeferredGrad = tuple[nn.Parameter, torch.Tensor, torch.Tensor]
 
 
-@dataclass
-class DeferredWeightGrads:
-    """What I leaves for W."""
+class WeightGradStore:
+    """Where deferred layers put their weight-gradient work while a stage's I pass runs."""
 
-    params: list[torch.Tensor]
-    # Parameter indices grouped by the intermediates they hang off.
-    groups: dict[tuple[Node, ...], list[int]] = field(default_factory=dict)
-    captured: dict[Node, tuple] = field(default_factory=dict)
-    # Set when some parameter hangs off no input path (the first stage, whose inputs are data):
-    # W then runs the ordinary backward from the outputs, which I kept alive for it.
-    outputs: Sequence[torch.Tensor] | None = None
-    grads: Sequence | None = None
+    def __init__(self):
+        self.collecting: list[DeferredGrad] | None = None
 
 
-def backward_input(outputs: Sequence, grads: Sequence, inputs: list[torch.Tensor], params: list[torch.Tensor],
-                   run_backward: RunBackward) -> tuple[tuple, DeferredWeightGrads]:
-    roots = [out.grad_fn for out in outputs if isinstance(out, torch.Tensor) and out.grad_fn is not None]
-    parents = _parents(roots)
-    on_input_path = _ancestors([get_gradient_edge(t).node for t in inputs], parents)
-    groups, reaches_root_directly = _intermediates(params, parents, on_input_path)
-    intermediates = {node for group in groups for node in group}
-    deferred = DeferredWeightGrads(params, groups)
-    if reaches_root_directly or not intermediates:
-        deferred.outputs, deferred.grads = outputs, grads
-        return run_backward(outputs, grads, inputs, True), deferred
-    handles = [
-        node.register_prehook(lambda grad_outputs, node=node: deferred.captured.__setitem__(node, grad_outputs))
-        for node in intermediates
-    ]
-    try:
-        input_grads = run_backward(outputs, grads, inputs, True)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return input_grads, deferred
+class _DeferredLinear(torch.autograd.Function):
+    """F.linear whose backward, while its store is collecting, leaves the weight gradient for later."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.param = weight  # under autocast the saved weight is a cast copy
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            # Cast as autocast would, and keep the cast copies: the backward runs outside autocast.
+            dtype = torch.get_autocast_dtype(device_type)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device_type, enabled=False):
+            output = F.linear(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.store = store
+        ctx.has_bias = bias is not None
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        needs_input, needs_weight, needs_bias, _ = ctx.needs_input_grad
+        grad_input = grad_output.matmul(weight) if needs_input else None
+        grad_bias = grad_output.sum(dim=tuple(range(grad_output.dim() - 1))) if ctx.has_bias and needs_bias else None
+        grad_weight = None
+        if needs_weight:
+            if ctx.store.collecting is not None:
+                ctx.store.collecting.append((ctx.param, x, grad_output))
+            else:
+                grad_weight = weight_grad(grad_output, x)
+        return grad_input, grad_weight, grad_bias, None
 
 
-def backward_weight(deferred: DeferredWeightGrads, run_backward: RunBackward) -> tuple:
-    if deferred.outputs is not None:
-        return run_backward(deferred.outputs, deferred.grads, deferred.params, False)
-    results: list = [None] * len(deferred.params)
-    for intermediates, indices in deferred.groups.items():
-        edges, edge_grads = [], []
-        for node in intermediates:
-            for output, grad in enumerate(deferred.captured.get(node, ())):
-                if grad is not None:
-                    edges.append(GradientEdge(node, output))
-                    edge_grads.append(grad)
-        if not edges:
-            continue
-        # When one intermediate lies below another, the walk from the upper one would add to what
-        # the lower one recorded: pin each to its recorded gradient.
-        handles = [
-            node.register_prehook(lambda _, recorded=deferred.captured[node]: recorded)
-            for node in intermediates
-            if node in deferred.captured
-        ] if len(intermediates) > 1 else []
-        try:
-            grads = torch.autograd.grad(
-                edges, [get_gradient_edge(deferred.params[i]) for i in indices], edge_grads,
-                retain_graph=True, allow_unused=True,
-            )
-        finally:
-            for handle in handles:
-                handle.remove()
-        for index, grad in zip(indices, grads):
-            results[index] = grad
-    return tuple(results)
+def weight_grad(grad_output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
 
 
-def _parents(roots: list[Node]) -> dict[Node, list[Node]]:
-    parents: dict[Node, list[Node]] = collections.defaultdict(list)
-    seen = set(roots)
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        for child, _ in node.next_functions:
-            if child is None:
-                continue
-            parents[child].append(node)
-            if child not in seen:
-                seen.add(child)
-                stack.append(child)
-    return parents
+def _deferred_forward(layer: nn.Linear, store: WeightGradStore, x: torch.Tensor) -> torch.Tensor:
+    return _DeferredLinear.apply(x, layer.weight, layer.bias, store)
 
 
-def _ancestors(nodes: list[Node], parents: dict[Node, list[Node]]) -> set[Node]:
-    """Every node from which one of ``nodes`` is reached: the path the input-gradient pass runs."""
-    found: set[Node] = set()
-    stack = [node for node in nodes if node in parents]
-    while stack:
-        node = stack.pop()
-        if node not in found:
-            found.add(node)
-            stack.extend(parents[node])
-    return found
+def defer_linear_weight_grads(modules: Iterable[nn.Module], store: WeightGradStore) -> Callable[[], None]:
+    """Makes the plain ``nn.Linear`` layers of ``modules`` defer their weight gradients to ``store``; returns the undo.
 
+    A layer whose weight is also used elsewhere (a tied embedding) is left alone, since its other
+    uses would need their gradient at the same time. So are subclasses (nn.MultiheadAttention
+    reads its out_proj's weight directly) and torch.compile'd modules, whose tracing would see
+    the store.
+    """
+    modules = list(modules)
+    if any(isinstance(module, torch._dynamo.eval_frame.OptimizedModule) for module in modules):
+        return lambda: None
+    uses = collections.Counter(id(p) for m in modules for _, p in m.named_parameters(remove_duplicate=False))
+    patched = []
+    for module in modules:
+        for layer in module.modules():
+            if (type(layer) is nn.Linear and layer.weight.requires_grad and uses[id(layer.weight)] == 1
+                    and "forward" not in layer.__dict__):
+                layer.forward = functools.partial(_deferred_forward, layer, store)
+                patched.append(layer)
 
-def _intermediates(params, parents, on_input_path) -> tuple[dict[tuple[Node, ...], list[int]], bool]:
-    """Groups parameters by their nearest input-path ancestors, and says whether some parameter
-    reaches an output without passing through the input path (then I cannot record what W needs)."""
-    groups: dict[tuple[Node, ...], list[int]] = {}
-    reaches_root_directly = False
-    for index, param in enumerate(params):
-        start = get_gradient_edge(param).node
-        if start not in parents:
-            continue  # this micro-batch did not use the parameter
-        found: dict[Node, None] = {}
-        stack, visited = [start], set()
-        while stack:
-            node = stack.pop()
-            if node in visited:
-                continue
-            visited.add(node)
-            if not parents[node]:
-                reaches_root_directly = True
-            for parent in parents[node]:
-                if parent in on_input_path:
-                    found[parent] = None
-                else:
-                    stack.append(parent)
-        groups.setdefault(tuple(found), []).append(index)
-    return groups, reaches_root_directly
+    def undo() -> None:
+        for layer in patched:
+            del layer.forward
+
+    return undo

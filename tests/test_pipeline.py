@@ -81,9 +81,10 @@ def reference_grads(stages: list[nn.Module], seed: int):
 
 def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_batches: int, kind: str,
                 transport: str = "auto") -> str:
-    """The pipeline (on CPU, or on GPUs through CUDA IPC) against the unsplit model on this process's CPU."""
+    """The pipeline (on CPU, or on GPUs through CUDA IPC, eager or replaying CUDA graphs) against the unsplit model
+    on this process's CPU."""
     num_stages = world_size * virtual
-    device = rank_device(rank, kind)
+    device = rank_device(rank, "cuda" if kind.startswith("cuda") else kind)
     stages = build_stages(num_stages)
     reference = copy.deepcopy(stages)
     for module in stages:
@@ -100,6 +101,7 @@ def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_b
         schedule=schedule,
         transport=transport,
         timeout=60,
+        cuda_graphs=kind == "cuda-graphs",
     )
     params = [p for s in mine for p in stages[s].parameters()]
     ref_params = [p for s in mine for p in reference[s].parameters()]
@@ -137,6 +139,9 @@ def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_b
         pytest.param("1f1b", 2, 1, 4, "cuda", marks=needs_cuda),
         pytest.param("zb-h1", 2, 1, 4, "cuda", marks=needs_cuda),
         pytest.param("interleaved-1f1b", 2, 2, 4, "cuda", marks=needs_cuda),
+        pytest.param("gpipe", 2, 1, 4, "cuda-graphs", marks=needs_cuda),
+        pytest.param("1f1b", 2, 1, 4, "cuda-graphs", marks=needs_cuda),
+        pytest.param("interleaved-1f1b", 2, 2, 4, "cuda-graphs", marks=needs_cuda),
     ],
 )
 def test_training_matches_single_process(tmp_path, schedule, world_size, virtual, micro_batches, kind):
@@ -205,6 +210,8 @@ def bad_configuration(rank: int, world_size: int) -> str:
         pipecomm.Pipeline(stage, stage=5, num_stages=2, micro_batches=4, **common)
     with pytest.raises(ValueError, match=f"rank {rank} of 2 holds stages \\[{rank}\\]"):
         pipecomm.Pipeline(stage, stage=1 - rank, num_stages=2, micro_batches=4, **common)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs stages on a CUDA device"):
+        pipecomm.Pipeline(stage, stage=rank, num_stages=2, micro_batches=4, cuda_graphs=True, **common)
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
         pipecomm.Pipeline(stage, stage=rank, num_stages=2, micro_batches=4, schedule="pipedream", **common)
     pipe = pipecomm.Pipeline(stage, stage=rank, num_stages=2, micro_batches=4, **common)
