@@ -98,6 +98,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay each stage as CUDA graphs (GPUs only)")
     parser.add_argument("--data", default=None, help="a text file to train on (bytes); synthetic data otherwise")
     args = parser.parse_args()
 
@@ -114,7 +115,7 @@ def main() -> None:
     pipe = pipecomm.Pipeline(
         modules, stage=stages if virtual > 1 else stages[0], num_stages=num_stages, loss_fn=loss_fn,
         micro_batches=args.micro_batches, schedule=args.schedule, group=context.pipeline_group,
-        data_group=context.data_group, device=context.device,
+        data_group=context.data_group, device=context.device, cuda_graphs=args.cuda_graphs,
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     data = Data(args.data, args.seq, 256)
@@ -140,6 +141,9 @@ def main() -> None:
                   f"bubble {pipe.bubble_fraction():.3f}", flush=True)
         if not math.isfinite(loss_value):
             raise SystemExit("loss is not finite")
+    if context.device.type == "cuda" and context.dp_rank == 0:
+        print(f"stage {context.stage}: peak memory {torch.cuda.max_memory_allocated(context.device) / 1e9:.3f} GB",
+              flush=True)
     pipe.close()
     dist.destroy_process_group()
 

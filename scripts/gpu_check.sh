@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device-machine session: build with CUDA, run the CUDA test twins and the GPU benches, log to $OUT.
+# One device-machine session: build with CUDA, run the CUDA test twins (PYTEST_ARGS), the native tests (unless
+# NATIVE=0) and the GPU benches named as arguments, logging to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 # The image's Python was configured with /opt/gcc, whose g++ links libstdc++ statically; an extension
@@ -15,7 +16,7 @@ if ! PIPECOMM_USE_CUDA=1 MAX_JOBS=16 python3 -m pip install --no-build-isolation
 fi
 python3 -c "import pipecomm; print(pipecomm.build_info())"
 python3 -m pytest ${PYTEST_ARGS:-tests} -q -p no:cacheprovider 2>&1 | tail -25 | tee "$out/pytest.txt"
-cmake -S . -B build/native -G Ninja -DCMAKE_BUILD_TYPE=Release >"$out/native.log" 2>&1 \
+[ "${NATIVE:-1}" = 1 ] && cmake -S . -B build/native -G Ninja -DCMAKE_BUILD_TYPE=Release >"$out/native.log" 2>&1 \
   && cmake --build build/native >>"$out/native.log" 2>&1 \
   && ctest --test-dir build/native --output-on-failure 2>&1 | tail -6 | tee "$out/ctest.txt" \
   || tail -30 "$out/native.log"
