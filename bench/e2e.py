@@ -12,7 +12,8 @@ schedule it reports the median step time (CUDA events, after warm-up; the slower
 efficiency = one stage's pure compute time / step time, where the compute time is forward + backward
 of one stage's 4 layers on one micro-batch on one GPU without a pipeline, times micro_batches (the
 slower of the two stages), the ideal 1F1B efficiency m / (m + p - 1), and each rank's peak memory
-(torch.cuda.max_memory_allocated, reset before each schedule; model weights included).
+(torch.cuda.max_memory_allocated, reset before each schedule; model weights included; for CUDA-graph rows
+plus the free part of the graphs' private memory pools, which their replays reuse).
 
 Schedules: pipecomm gpipe, 1f1b, interleaved-1f1b (v=2), zb-h1, 1f1b and interleaved-1f1b with CUDA graphs
 (Pipeline(cuda_graphs=True), rows "+graphs"), and torch.distributed.pipelining's
@@ -174,7 +175,19 @@ class Rank:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak_gb(self) -> float | None:
-        return torch.cuda.max_memory_allocated(self.device) / 1e9 if self.cuda else None
+        """Peak allocated bytes, plus what CUDA graphs' private pools hold reserved for their replays.
+
+        Captured graphs reuse their pools' memory at every replay, but the tensors that occupied it
+        during capture were freed, so max_memory_allocated alone would not see it.
+        """
+        if not self.cuda:
+            return None
+        graph_pools = sum(
+            segment["total_size"] - segment["allocated_size"]
+            for segment in torch.cuda.memory_snapshot()
+            if segment["device"] == self.device.index and tuple(segment["segment_pool_id"]) != (0, 0)
+        )
+        return (torch.cuda.max_memory_allocated(self.device) + graph_pools) / 1e9
 
     def batch(self, config: Config) -> tuple[torch.Tensor, torch.Tensor]:
         """The same inputs and targets on every rank and in every schedule."""
@@ -573,7 +586,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {NUM_LAYERS} GPT layers, {WORLD_SIZE} ranks; step_ms = median of {args.steps} steps after "
           f"{args.warmup} warm-up ({clock}, slower rank); wall_ms = host time per step over the timed loop; "
           "eff = one stage's forward+backward of one micro-batch x micro_batches / step_ms; ideal = m/(m+p-1); "
-          "speed_vs_torch_1f1b = torch 1F1B step_ms / step_ms; memN_GB = peak allocated on rank N")
+          "speed_vs_torch_1f1b = torch 1F1B step_ms / step_ms; memN_GB = peak allocated on rank N (+ CUDA-graph pools)")
     all_rows: dict[str, list[dict[str, Any]]] = {}
     summaries: dict[str, dict] = {}
     for name in args.config_list:

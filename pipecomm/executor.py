@@ -98,22 +98,21 @@ class GradientSink:
                 target.add_(grad)
         accumulate_(accumulators, sources)
 
-    def add_weight_grad(self, param: nn.Parameter, grad_output: torch.Tensor, x: torch.Tensor) -> None:
-        """A deferred Linear's weight gradient; where the dtypes allow, the GEMM accumulates in place."""
-        target = self.target(param)
-        if target is not None and target.dtype == x.dtype:
-            target.addmm_(grad_output.reshape(-1, grad_output.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
-        else:
-            self.add_one(param, weight_grad(grad_output, x))
-
-    def add_one(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        target = self.target(param)
-        if target is None:
-            param.grad = grad.to(param.dtype)
-        elif (target.dtype, grad.dtype) in _NATIVE_PAIRS:
-            accumulate_([target], [grad])
-        else:
-            target.add_(grad)
+    @torch.no_grad()  # the saved inputs carry autograd history, which .grad must not record
+    def add_weight_grads(self, deferred: Sequence[DeferredGrad]) -> None:
+        """Deferred Linear weight gradients; where the dtypes allow, the GEMM accumulates in place."""
+        for param, x, grad_output in deferred:
+            target = self.target(param)
+            if target is not None and target.dtype == x.dtype:
+                target.addmm_(grad_output.reshape(-1, grad_output.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+                continue
+            grad = weight_grad(grad_output, x)
+            if target is None:
+                param.grad = grad.to(param.dtype)
+            elif (target.dtype, grad.dtype) in _NATIVE_PAIRS:
+                accumulate_([target], [grad])
+            else:
+                target.add_(grad)
 
 
 class StageExecutor:
@@ -238,9 +237,7 @@ class StageExecutor:
         self._deferred[(stage, micro_batch)] = deferred
 
     def _backward_weight(self, stage: int, micro_batch: int) -> None:
-        sink = self.sinks[stage]
-        for param, x, grad_output in self._deferred.pop((stage, micro_batch)):
-            sink.add_weight_grad(param, grad_output, x)
+        self.sinks[stage].add_weight_grads(self._deferred.pop((stage, micro_batch)))
         self._count_backward(stage)
 
     def _run_stage_backward(self, stage: int, micro_batch: int) -> None:

@@ -42,8 +42,8 @@ def split_backward(stage: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, mi
         deferred_counts.append(len(deferred))
         if weights_before_w is None:
             weights_before_w = [p.grad for p in (stage.first.weight, stage.second.weight)]
-        for param, saved_x, saved_grad in deferred:
-            sink.add_weight_grad(param, saved_grad, saved_x)
+        sink.add_weight_grads(deferred)
+        assert all(p.grad is None or p.grad.grad_fn is None for p in sink.params), "W recorded autograd history"
     undo()
     return torch.cat(input_grads), deferred_counts, weights_before_w
 
