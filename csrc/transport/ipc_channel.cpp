@@ -54,6 +54,10 @@ struct PostRecord {
 };
 static_assert(std::is_trivially_copyable_v<PostRecord>, "post records are copied as bytes");
 
+// Room for two posts per message ahead (one more after a layout change) and a few stale ones; more
+// than the cap are dropped, which only sends those messages by slot.
+uint32_t post_ring_slots(uint32_t num_slots) { return std::min<uint32_t>(num_slots, 1024) * 2 + 10; }
+
 // A message layout as a receiver caches it: shared by the posts predicted from it.
 struct Layout {
   MessageMeta meta;
@@ -113,10 +117,11 @@ class IpcChannel {
              int device, uint32_t num_slots, size_t slot_bytes, double timeout_s)
       : host_receiver_(RingConfig{incoming_name, self_rank, peer_rank, num_slots, 1 << 16, timeout_s}),
         host_sender_(RingConfig{outgoing_name, self_rank, peer_rank, num_slots, 1 << 16, timeout_s}),
-        // The data receiver sends posts: its post ring runs against its data ring. Room for two posts
-        // per message ahead (one more after a layout change) and a few stale ones.
-        post_receiver_(RingConfig{outgoing_name + ".posts", self_rank, peer_rank, 2 * num_slots + 8, 4096, timeout_s}),
-        post_sender_(RingConfig{incoming_name + ".posts", self_rank, peer_rank, 2 * num_slots + 8, 4096, timeout_s}),
+        // The data receiver sends posts: its post ring runs against its data ring.
+        post_receiver_(
+            RingConfig{outgoing_name + ".posts", self_rank, peer_rank, post_ring_slots(num_slots), 4096, timeout_s}),
+        post_sender_(
+            RingConfig{incoming_name + ".posts", self_rank, peer_rank, post_ring_slots(num_slots), 4096, timeout_s}),
         device_(at::kCUDA, static_cast<c10::DeviceIndex>(device)),
         send_direction_("pipecomm ipc channel rank " + std::to_string(self_rank) + " -> rank " +
                         std::to_string(peer_rank)),
@@ -124,9 +129,10 @@ class IpcChannel {
                            std::to_string(self_rank)),
         receiver_(device, num_slots, slot_bytes, receive_direction_),
         stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())),
-        // The sender can be num_slots host messages past the last one released here: posting as far
-        // ahead keeps a steady stream on the direct path, at num_slots messages' worth of memory.
-        post_depth_(num_slots),
+        // A sender decides on message n once its host ring took message n - 1, i.e. once this end
+        // released message n - 1 - num_slots: posting num_slots + 1 ahead of each release keeps a
+        // steady stream on the direct path, at that many messages' worth of memory.
+        post_depth_(uint64_t{num_slots} + 1),
         received_(make_layout({})),
         sent_fingerprint_(fingerprint({})) {
     host_sender_.set_wait_hook([this] { host_receiver_.service(); });
@@ -241,7 +247,8 @@ class IpcChannel {
         if (post == nullptr || (post->layout != received_ && post->layout->meta != received_->meta)) {
           throw ProtocolError(receive_direction_ + ": message " + std::to_string(recv_seq_) + " came into post " +
                               std::to_string(post_number) + ", but " +
-                              (post ? "that buffer was posted for another layout" : "no such buffer was posted for it"));
+                              (post ? "that buffer was posted for another layout"
+                                    : "no such buffer was posted for it"));
         }
         receiver_.enqueue_receive_direct(recv_seq_, caller.stream());
         if (caller.stream() != post->stream) {
@@ -363,7 +370,8 @@ class IpcChannel {
   }
 
   void drop_posts_through(uint64_t seq) {
-    posts_.erase(std::remove_if(posts_.begin(), posts_.end(), [&](const PostedBuffer& posted) { return posted.seq <= seq; }),
+    posts_.erase(std::remove_if(posts_.begin(), posts_.end(),
+                                [&](const PostedBuffer& posted) { return posted.seq <= seq; }),
                  posts_.end());
   }
 

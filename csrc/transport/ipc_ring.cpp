@@ -663,8 +663,9 @@ IpcRingSender::PeerAllocation* IpcRingSender::map_peer_allocation(const cudaIpcM
   if (!retired_allocations_.empty()) unmap_retired_allocations(/*all=*/false);
   if (peer_allocations_.size() >= kMaxPeerAllocations) {
     // Evict the least recently used mapping; it is unmapped once the copies queued into it are done.
-    auto victim = std::min_element(peer_allocations_.begin(), peer_allocations_.end(),
-                                   [](const PeerAllocation& a, const PeerAllocation& b) { return a.last_use < b.last_use; });
+    auto victim =
+        std::min_element(peer_allocations_.begin(), peer_allocations_.end(),
+                         [](const PeerAllocation& a, const PeerAllocation& b) { return a.last_use < b.last_use; });
     RetiredAllocation retired{victim->base, {}};
     for (cudaStream_t stream : victim->streams) {
       cudaEvent_t fence = nullptr;
@@ -742,7 +743,8 @@ void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t
     if (const CUresult result =
             api.wait_value32(stream, device_address(position.ready), position.round - 1, CU_STREAM_WAIT_VALUE_GEQ);
         result != CUDA_SUCCESS) {
-      check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "ready of the slot's previous message, " + what());
+      check_driver(result, api, error_prefix_, "cuStreamWaitValue32",
+                   "ready of the slot's previous message, " + what());
     }
   }
   for (size_t i = 0; i < count; ++i) {
@@ -790,7 +792,8 @@ bool IpcRingSender::enqueue_send_direct(uint64_t seq, uint64_t post, const cudaI
     if (const CUresult result =
             api.wait_value32(stream, device_address(position.ready), position.round - 1, CU_STREAM_WAIT_VALUE_GEQ);
         result != CUDA_SUCCESS) {
-      check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "ready of the slot's previous message, " + what());
+      check_driver(result, api, error_prefix_, "cuStreamWaitValue32",
+                   "ready of the slot's previous message, " + what());
     }
   }
   // The receiver's stream has passed the buffer's allocation: nothing of its own still uses that memory.
@@ -804,7 +807,8 @@ bool IpcRingSender::enqueue_send_direct(uint64_t seq, uint64_t post, const cudaI
     if (const cudaError_t error = cudaMemcpyAsync(buffer + regions[i].slot_offset, regions[i].local, regions[i].bytes,
                                                   cudaMemcpyDeviceToDevice, stream);
         error != cudaSuccess) {
-      check_cuda(error, error_prefix_, "cudaMemcpyAsync", "into the posted buffer, " + what() + ", region " + std::to_string(i));
+      check_cuda(error, error_prefix_, "cudaMemcpyAsync",
+                 "into the posted buffer, " + what() + ", region " + std::to_string(i));
     }
   }
   if (const CUresult result =

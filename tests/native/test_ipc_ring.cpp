@@ -389,7 +389,8 @@ struct PostFrame {
 };
 
 void direct_receiver(Context& ctx, Arena& arena) {
-  auto& ring = arena.make<IpcRingReceiver>(ctx.device, kDirectSlots, kDirectSlotBytes, "test ipc direct rank 1 -> rank 0");
+  auto& ring =
+      arena.make<IpcRingReceiver>(ctx.device, kDirectSlots, kDirectSlotBytes, "test ipc direct rank 1 -> rank 0");
   send_frame(ctx.sock, ring.export_handles());
   char* pool = static_cast<char*>(arena.device(kDirectPoolBytes));
   cudaStream_t streams[2] = {arena.stream(), arena.stream()};
@@ -431,7 +432,8 @@ void direct_receiver(Context& ctx, Arena& arena) {
 }
 
 void direct_sender(Context& ctx, Arena& arena) {
-  auto& ring = arena.make<IpcRingSender>(ctx.device, recv_frame(ctx.sock, "direct handles"), "test ipc direct rank 1 -> rank 0");
+  auto& ring = arena.make<IpcRingSender>(ctx.device, recv_frame(ctx.sock, "direct handles"),
+                                         "test ipc direct rank 1 -> rank 0");
   // Runs of messages on two streams: a slot's messages must still flag ready in order.
   cudaStream_t streams[2] = {arena.stream(), arena.stream()};
   cudaStream_t stream = streams[0];
@@ -454,10 +456,16 @@ void direct_sender(Context& ctx, Arena& arena) {
     std::memcpy(&post, frame.data(), sizeof(post));
     CHECK(post.seq == seq, "post for message " + std::to_string(post.seq));
     expect_protocol_error(
-        [&] { ring.enqueue_send_direct(seq, seq / 2, post.handle, post.offset, post.capacity - 1, regions.data(), regions.size(), stream); },
+        [&] {
+          ring.enqueue_send_direct(seq, seq / 2, post.handle, post.offset, post.capacity - 1, regions.data(),
+                                   regions.size(), stream);
+        },
         "region 1", "region past the posted buffer");
     expect_protocol_error(
-        [&] { ring.enqueue_send_direct(seq + 1, seq / 2, post.handle, post.offset, post.capacity, regions.data(), regions.size(), stream); },
+        [&] {
+          ring.enqueue_send_direct(seq + 1, seq / 2, post.handle, post.offset, post.capacity, regions.data(),
+                                   regions.size(), stream);
+        },
         "expected " + std::to_string(seq), "out-of-order direct send");
     const bool sent = ring.enqueue_send_direct(seq, seq / 2, post.handle, post.offset, post.capacity,
                                                regions.data(), regions.size(), stream);
