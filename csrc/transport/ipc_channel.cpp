@@ -242,6 +242,10 @@ class IpcChannel {
       const c10::cuda::CUDAGuard guard(device_);
       const c10::cuda::CUDAStream caller = caller_stream();
       const std::lock_guard<std::mutex> lock(receiver_mutex_);
+      // A layout seen twice in a row is predicted for the next messages; a new one may be a one-off.
+      // Posted ahead of this message's wait, the posts' counter writes stay off the stream's
+      // critical path.
+      if (!layout_changed) post_ahead(recv_seq_ + 1, caller.stream());
       if (direct) {
         const PostedBuffer* post = find_post(recv_seq_, post_number);
         if (post == nullptr || (post->layout != received_ && post->layout->meta != received_->meta)) {
@@ -276,8 +280,6 @@ class IpcChannel {
       // The other posts for this message were passed over: the sender never wrote them.
       drop_posts_through(recv_seq_);
       ++recv_seq_;
-      // A layout seen twice in a row is predicted for the next messages; a new one may be a one-off.
-      if (!layout_changed) post_ahead(caller.stream());
       // Released last: the sender may send one message further only once the posts for it are out.
       host_receiver_.release(message.seq);
     }
@@ -375,16 +377,17 @@ class IpcChannel {
                  posts_.end());
   }
 
-  // Offers buffers of the current layout for the next post_depth_ messages that have none of it yet
-  // (after a layout change, a message may hold a post of each). Allocated on the caller's stream, so
-  // they are free for the peer's copies once that stream reaches the posted counter. Optional work:
+  // Offers buffers of the current layout for the post_depth_ messages from first_seq on that have
+  // none of it yet (after a layout change, a message may hold a post of each). Allocated on the
+  // caller's stream, so they are free for the peer's copies once that stream reaches the posted
+  // counter. Optional work:
   // whatever stops it (no room on the post ring, no memory) leaves those messages to the slot path.
   // Called with receiver_mutex_ held.
-  void post_ahead(cudaStream_t caller) {
+  void post_ahead(uint64_t first_seq, cudaStream_t caller) {
     if (!posting_enabled_ || received_->offsets.back() == 0) return;
     const int64_t bytes = received_->offsets.back();
     const uint64_t digest = received_->fingerprint;
-    for (uint64_t seq = recv_seq_; seq < recv_seq_ + post_depth_; ++seq) {
+    for (uint64_t seq = first_seq; seq < first_seq + post_depth_; ++seq) {
       if (std::any_of(posts_.begin(), posts_.end(), [&](const PostedBuffer& posted) {
             return posted.seq == seq && posted.layout->fingerprint == digest;
           })) {
