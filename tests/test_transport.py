@@ -326,9 +326,10 @@ def ipc_both_send_first(rank: int, world_size: int, rounds: int, burst: int) -> 
         return [torch.randn(17, 33, generator=generator).to(device), None,
                 torch.randint(0, 2**31, (3,), generator=generator).to(device)]
 
-    # Bursts stay within num_slots: a send waits on the device for its slot's previous message. They
-    # are longer than the post ring, so receivers also drop posts the sender is not taking.
-    with transport.connect(peer, backend="ipc", device=device, timeout=60, num_slots=burst) as channel:
+    # A burst (plus its metadata message) fits the host ring, and a slot-path send waits on the device
+    # for its slot's previous message: bursts longer than num_slots would stall both ranks. Posts
+    # made while receiving one burst serve the next one's sends, or go stale.
+    with transport.connect(peer, backend="ipc", device=device, timeout=60, num_slots=burst + 4) as channel:
         seq = 0
         for _ in range(rounds):
             for offset in range(burst):
@@ -352,6 +353,6 @@ def ipc_both_send_first(rank: int, world_size: int, rounds: int, burst: int) -> 
 
 @needs_cuda
 def test_ipc_both_ranks_send_bursts_before_receiving(tmp_path):
-    results = run_ranks(2, ipc_both_send_first, tmp_path, 5, 40, timeout=120)
+    results = run_ranks(2, ipc_both_send_first, tmp_path, 5, 12, timeout=120)
     for sent, received in results:
         assert sent >= 8 and received >= 8, results

@@ -5,13 +5,15 @@
 //
 // The receiver owns, on its device, one flags allocation (ready[K] and ack[K] uint32 counters and one
 // `posted` counter, each in its own 64-byte line, zeroed once and never reallocated) and one data
-// allocation of K slots per generation. Both are exported with cudaIpcGetMemHandle; export_handles()/grow() serialize them and
-// the layer above carries the bytes to the sender (job store, host channel).
+// allocation of K slots per generation. Both are exported with cudaIpcGetMemHandle;
+// export_handles()/grow() serialize them and the layer above carries the bytes to the sender (job
+// store, host channel).
 //
 // Message seq (0, 1, 2, ... per direction) uses slot = seq % K and round = seq / K + 1 (uint32, compared
-// wrap-safely by the GPU). Everything is stream-ordered, the host never blocks:
+// wrap-safely by the GPU). Everything is stream-ordered, the host never blocks. The slot path:
 //   sender:   wait ack[slot] >= round - 1; copy regions into the peer slot; write ready[slot] = round
 //   receiver: wait ready[slot] >= round;   copy regions out of the slot;    write ack[slot] = round
+// (round - 1 when the slot's previous message also went by slot; see below for the general rule).
 //
 // Direct path ("posted receive"): the receiver may also offer, ahead of time, a destination buffer for
 // message seq anywhere in an IPC-exportable allocation of its own (export_pointer()). Its posts are
@@ -172,8 +174,10 @@ class IpcRingSender {
   // is ignored.
   void update(const std::string& handles);
 
-  // Enqueues on `stream` (of this end's device): wait ack[slot] >= round - 1, one
-  // cudaMemcpyAsync(peer slot + slot_offset, local, bytes) per region, write ready[slot] = round.
+  // Enqueues on `stream` (of this end's device): wait for the ack of the slot's last slot-path
+  // message (round - 1 when all go by slot; after a direct message on another stream, also
+  // ready[slot] >= round - 1), one cudaMemcpyAsync(peer slot + slot_offset, local, bytes) per region,
+  // write ready[slot] = round.
   // Every region must fit the slot (ProtocolError naming seq, region and sizes otherwise, before
   // anything is enqueued). seq must be exactly the next one (0, 1, 2, ...).
   void enqueue_send(uint64_t seq, const CopyRegion* regions, size_t count, cudaStream_t stream);
