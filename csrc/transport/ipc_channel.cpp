@@ -58,6 +58,15 @@ static_assert(std::is_trivially_copyable_v<PostRecord>, "post records are copied
 // than the cap are dropped, which only sends those messages by slot.
 uint32_t post_ring_slots(uint32_t num_slots) { return std::min<uint32_t>(num_slots, 1024) * 2 + 10; }
 
+// The payload of a data message on the host ring.
+struct DataNote {
+  uint64_t post;  // the post the data went into (direct messages only)
+  // Posts of the sender's own receiving end (0 .. posts_passed - 1) whose counter writes precede,
+  // on the sender's stream, this message's ready write. A receiver whose stream waited for this
+  // message knows them passed and skips the device wait on their counter when it sends into them.
+  uint64_t posts_passed;
+};
+
 // A message layout as a receiver caches it: shared by the posts predicted from it.
 struct Layout {
   MessageMeta meta;
@@ -187,11 +196,15 @@ class IpcChannel {
     // The tensors were written on the caller's stream; large messages are copied on the channel's.
     if (!on_caller_stream) wait_for_caller();
     const std::vector<CopyRegion> regions = regions_of(tensors, offsets);
+    // Large messages' copies run on the channel's stream, which was just ordered after the caller's:
+    // what the caller's stream is known to follow, they follow too.
+    const cudaStream_t caller = caller_stream().stream();
     bool direct = false;
     if (post != nullptr) {
+      const bool posted_passed = caller == peer_posts_stream_ && post->post < peer_posts_passed_;
       direct = sender_->enqueue_send_direct(send_seq_, post->post, post->handle, static_cast<size_t>(post->offset),
                                             static_cast<size_t>(post->bytes), regions.data(), regions.size(),
-                                            stream.stream());
+                                            stream.stream(), posted_passed);
       // An allocation this process cannot map will not map later either.
       if (!direct) direct_enabled_ = false;
     }
@@ -209,12 +222,10 @@ class IpcChannel {
     }
     ++send_seq_;
     // Posted after the enqueue, so the receiver never waits on the device for a copy never issued.
-    if (direct) {
-      ++direct_sends_;
-      host_sender_.send_bytes(&post->post, sizeof(post->post), kTagDataDirect);
-    } else {
-      host_sender_.send_bytes(nullptr, 0, kTagData);
-    }
+    // Read without receiver_mutex_: only this thread posts.
+    const DataNote note{direct ? post->post : 0, receiver_.posts_ordered_before(caller)};
+    if (direct) ++direct_sends_;
+    host_sender_.send_bytes(&note, sizeof(note), direct ? kTagDataDirect : kTagData);
     return 0;
   }
 
@@ -231,14 +242,15 @@ class IpcChannel {
         host_receiver_.release(message.seq);
         message = host_receiver_.recv();
       }
-      const bool direct = message.tag == kTagDataDirect && message.bytes == sizeof(uint64_t);
-      if (message.tag != kTagData && !direct) {
+      if ((message.tag != kTagData && message.tag != kTagDataDirect) || message.bytes != sizeof(DataNote)) {
         throw ProtocolError(receive_direction_ + ": host message " + std::to_string(message.seq) + " has tag " +
                             std::to_string(message.tag) + " and " + std::to_string(message.bytes) +
                             " bytes where data was expected");
       }
-      uint64_t post_number = 0;
-      if (direct) std::memcpy(&post_number, message.data, sizeof(post_number));
+      const bool direct = message.tag == kTagDataDirect;
+      DataNote note;
+      std::memcpy(&note, message.data, sizeof(note));
+      const uint64_t post_number = note.post;
       const c10::cuda::CUDAGuard guard(device_);
       const c10::cuda::CUDAStream caller = caller_stream();
       const std::lock_guard<std::mutex> lock(receiver_mutex_);
@@ -277,6 +289,9 @@ class IpcChannel {
           check_cuda(cudaStreamWaitEvent(caller.stream(), channel_done_, 0), "cudaStreamWaitEvent");
         }
       }
+      // Either way the caller's stream now waits for this message's ready write.
+      peer_posts_passed_ = note.posts_passed;
+      peer_posts_stream_ = caller.stream();
       // The other posts for this message were passed over: the sender never wrote them.
       drop_posts_through(recv_seq_);
       ++recv_seq_;
@@ -438,6 +453,10 @@ class IpcChannel {
   uint64_t send_seq_ = 0;
   uint64_t recv_seq_ = 0;
   std::vector<PostRecord> peer_posts_;
+  // From the last data message received: the peer's posts known passed once peer_posts_stream_
+  // reaches the point that message's receive was enqueued at.
+  uint64_t peer_posts_passed_ = 0;
+  cudaStream_t peer_posts_stream_ = nullptr;
   std::deque<PostedBuffer> posts_;
   uint64_t next_post_ = 0;
   bool direct_enabled_ = true;

@@ -768,7 +768,7 @@ void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t
 
 bool IpcRingSender::enqueue_send_direct(uint64_t seq, uint64_t post, const cudaIpcMemHandle_t& handle,
                                         size_t offset, size_t capacity, const CopyRegion* regions, size_t count,
-                                        cudaStream_t stream) {
+                                        cudaStream_t stream, bool posted_passed) {
   check_next_seq(seq, next_seq_, error_prefix_, "enqueue_send_direct");
   check_regions(regions, count, capacity, 0, seq, error_prefix_);
   const DriverApi& api = driver_api(error_prefix_);
@@ -797,10 +797,12 @@ bool IpcRingSender::enqueue_send_direct(uint64_t seq, uint64_t post, const cudaI
     }
   }
   // The receiver's stream has passed the buffer's allocation: nothing of its own still uses that memory.
-  if (const CUresult result = api.wait_value32(stream, device_address(posted_counter(flags_, num_slots_)),
-                                               static_cast<cuuint32_t>(post + 1), CU_STREAM_WAIT_VALUE_GEQ);
-      result != CUDA_SUCCESS) {
-    check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "posted, " + what());
+  if (!posted_passed) {
+    if (const CUresult result = api.wait_value32(stream, device_address(posted_counter(flags_, num_slots_)),
+                                                 static_cast<cuuint32_t>(post + 1), CU_STREAM_WAIT_VALUE_GEQ);
+        result != CUDA_SUCCESS) {
+      check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "posted, " + what());
+    }
   }
   for (size_t i = 0; i < count; ++i) {
     if (regions[i].bytes == 0) continue;

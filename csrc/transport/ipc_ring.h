@@ -113,6 +113,13 @@ class IpcRingReceiver {
   // query each.
   bool export_pointer(const void* pointer, cudaIpcMemHandle_t* handle, size_t* offset);
 
+  // How many posts (0 .. n - 1) have their counter write ordered before whatever is enqueued next
+  // on `stream`: all of them on the stream of the last post (earlier posts' streams are chained to
+  // it), none elsewhere.
+  uint64_t posts_ordered_before(cudaStream_t stream) const {
+    return posted_before_ && stream == last_post_stream_ ? next_post_ : 0;
+  }
+
   // Enqueues on `stream` (the one post's buffer was allocated on) posted = post + 1, after
   // everything earlier posts' streams had reached: the counter then only grows on the device,
   // whatever streams the posts came from. post must exceed every earlier one.
@@ -188,10 +195,13 @@ class IpcRingSender {
   // The direct path: like enqueue_send, but the regions' slot_offset are relative to the receiver's
   // buffer of `post` (made for message seq), which lies `offset` bytes into the allocation `handle`
   // names and holds `capacity` bytes (ProtocolError before anything is enqueued if a region does not
-  // fit). Also waits posted >= post + 1 before copying. Returns false, having enqueued nothing and
-  // kept seq unsent, when that allocation cannot be mapped here: the caller then uses the slot path.
+  // fit). Waits posted >= post + 1 before copying, unless `posted_passed` says `stream` is already
+  // ordered after that write (the caller knows it from the peer's messages). Returns false, having
+  // enqueued nothing and kept seq unsent, when that allocation cannot be mapped here: the caller then
+  // uses the slot path.
   bool enqueue_send_direct(uint64_t seq, uint64_t post, const cudaIpcMemHandle_t& handle, size_t offset,
-                           size_t capacity, const CopyRegion* regions, size_t count, cudaStream_t stream);
+                           size_t capacity, const CopyRegion* regions, size_t count, cudaStream_t stream,
+                           bool posted_passed = false);
 
   // Enqueues on `stream` a wait until the receiver has copied message seq out of its slot
   // (ack[slot] >= round). For flushing or timing; the host does not block. Only for a message sent
