@@ -63,12 +63,19 @@ void check_unpack_args(const at::Tensor& buffer, at::TensorList outs) {
 }
 
 std::vector<int64_t> packed_offsets(at::TensorList tensors) {
+  std::vector<int64_t> nbytes;
+  nbytes.reserve(tensors.size());
+  for (const at::Tensor& tensor : tensors) nbytes.push_back(static_cast<int64_t>(tensor.nbytes()));
+  return packed_offsets_of_bytes(nbytes);
+}
+
+std::vector<int64_t> packed_offsets_of_bytes(c10::ArrayRef<int64_t> nbytes) {
   std::vector<int64_t> offsets;
-  offsets.reserve(tensors.size() + 1);
+  offsets.reserve(nbytes.size() + 1);
   int64_t offset = 0;
-  for (const at::Tensor& tensor : tensors) {
+  for (const int64_t bytes : nbytes) {
     offsets.push_back(offset);
-    offset += align_up(static_cast<int64_t>(tensor.nbytes()), kPackAlignment);
+    offset += align_up(bytes, kPackAlignment);
   }
   offsets.push_back(offset);
   return offsets;

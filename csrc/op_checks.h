@@ -29,4 +29,7 @@ void check_unpack_args(const at::Tensor& buffer, at::TensorList outs);
 // Byte offset of each tensor in the packed buffer, plus the total size as the last entry.
 std::vector<int64_t> packed_offsets(at::TensorList tensors);
 
+// The same layout from the tensors' byte sizes alone, for a receiver that knows only their metadata.
+std::vector<int64_t> packed_offsets_of_bytes(c10::ArrayRef<int64_t> nbytes);
+
 }  // namespace pipecomm

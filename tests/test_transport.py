@@ -244,3 +244,115 @@ def bad_input(rank: int, world_size: int) -> str:
 
 def test_bad_input_is_a_clear_error(tmp_path):
     run_ranks(2, bad_input, tmp_path)
+
+
+# CUDA IPC's direct path: once a receiver has seen a layout twice in a row, the sender copies
+# straight into buffers the receiver posted. In a strict ping-pong the posts always arrive before the
+# send that uses them, so the counts below are exact.
+
+
+def ipc_ping_pong(rank: int, world_size: int, count: int, big: bool) -> tuple:
+    peer = 1 - rank
+    device = rank_device(rank, "cuda")
+    side_stream = torch.cuda.Stream(device)
+
+    def message(seq: int, sender: int) -> list:
+        entries = mixed_message(seq * 2 + sender, device)
+        if big:  # over 1 MB: copied on the channel's stream, and never fits the initial slots
+            entries.append(torch.full((1024, 1025), float(seq * 2 + sender), device=device))
+        return entries
+
+    kept = []
+    with transport.connect(peer, backend="ipc", device=device, timeout=60, slot_bytes=4096) as channel:
+        for seq in range(count):
+            # Some receives on another stream: posts then come from two streams.
+            stream = side_stream if seq % 3 == 2 else torch.cuda.current_stream(device)
+            with torch.cuda.stream(stream):
+                if rank == 0:
+                    channel.send(message(seq, rank))
+                    kept.append((seq, channel.recv()))
+                else:
+                    kept.append((seq, channel.recv()))
+                    channel.send(message(seq, rank))
+        torch.cuda.synchronize(device)
+        # Every received message is still intact: no posted buffer was reused or written twice.
+        for seq, got in kept:
+            assert_same_message(got, message(seq, peer))
+        return channel.direct_messages
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["small", "big"])
+@needs_cuda
+def test_ipc_constant_layout_goes_direct(tmp_path, big):
+    count = 60
+    # Messages 0 and 1 teach the receiver the layout; every later one lands in a posted buffer.
+    assert run_ranks(2, ipc_ping_pong, tmp_path, count, big, timeout=120) == [(count - 2, count - 2)] * 2
+
+
+def ipc_layout_changes(rank: int, world_size: int) -> tuple:
+    peer = 1 - rank
+    device = rank_device(rank, "cuda")
+
+    def message(seq: int, sender: int) -> list:
+        value = float(seq * 2 + sender)
+        if 5 <= seq < 10:  # layout B between two runs of layout A
+            return [None, torch.full((3, 7), value, dtype=torch.float64, device=device)]
+        return [torch.full((5,), value, device=device), None, torch.tensor([seq, sender], device=device)]
+
+    with transport.connect(peer, backend="ipc", device=device, timeout=60) as channel:
+        for seq in range(15):
+            if rank == 0:
+                channel.send(message(seq, rank))
+                assert_same_message(channel.recv(), message(seq, peer))
+            else:
+                assert_same_message(channel.recv(), message(seq, peer))
+                channel.send(message(seq, rank))
+        return channel.direct_messages
+
+
+@needs_cuda
+def test_ipc_layout_change_mid_stream(tmp_path):
+    # Per run of 5: two messages by slot while the receiver learns the layout (posts of the old
+    # layout are passed over), then three direct.
+    assert run_ranks(2, ipc_layout_changes, tmp_path, timeout=120) == [(9, 9)] * 2
+
+
+def ipc_both_send_first(rank: int, world_size: int, rounds: int, burst: int) -> tuple:
+    peer = 1 - rank
+    device = rank_device(rank, "cuda")
+
+    def message(seq: int, sender: int) -> list:
+        generator = torch.Generator().manual_seed(seq * 2 + sender)
+        return [torch.randn(17, 33, generator=generator).to(device), None,
+                torch.randint(0, 2**31, (3,), generator=generator).to(device)]
+
+    # A burst (plus its metadata message) fits the host ring, and a slot-path send waits on the device
+    # for its slot's previous message: bursts longer than num_slots would stall both ranks. Posts
+    # made while receiving one burst serve the next one's sends, or go stale.
+    with transport.connect(peer, backend="ipc", device=device, timeout=60, num_slots=burst + 4) as channel:
+        seq = 0
+        for _ in range(rounds):
+            for offset in range(burst):
+                channel.send(message(seq + offset, rank))
+            for offset in range(burst):
+                assert_same_message(channel.recv(), message(seq + offset, peer))
+            seq += burst
+        # Then a ping-pong of one layout: the posts made during the bursts were stale, these are not.
+        def fixed(sender: int) -> list:
+            return [torch.full((64,), float(sender), device=device)]
+
+        for _ in range(10):
+            if rank == 0:
+                channel.send(fixed(rank))
+                assert_same_message(channel.recv(), fixed(peer))
+            else:
+                assert_same_message(channel.recv(), fixed(peer))
+                channel.send(fixed(rank))
+        return channel.direct_messages
+
+
+@needs_cuda
+def test_ipc_both_ranks_send_bursts_before_receiving(tmp_path):
+    results = run_ranks(2, ipc_both_send_first, tmp_path, 5, 12, timeout=120)
+    for sent, received in results:
+        assert sent >= 8 and received >= 8, results

@@ -1,14 +1,22 @@
 // A CUDA-IPC channel between this process and one peer: metadata on shared-memory host rings, data
-// by the copy engines into the peer's device slots, ordered by events; the host never waits on the GPU.
+// by the copy engines straight into buffers the peer posted, else into its device slots; the host never
+// waits on the GPU.
 #include <torch/extension.h>
 
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/util/accumulate.h>
 
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../op_checks.h"
@@ -35,6 +43,79 @@ std::vector<CopyRegion> regions_of(const std::vector<at::Tensor>& tensors, const
 // Larger ones go on the channel's stream and overlap the caller's compute.
 constexpr size_t kCallerStreamMaxBytes = size_t{1} << 20;
 
+// A buffer offered for one incoming message, as the post ring carries it to the sender.
+struct PostRecord {
+  uint64_t seq;
+  uint64_t post;         // the receiver's post number, which the data message names back
+  uint64_t fingerprint;  // of the layout the buffer was allocated for
+  uint64_t bytes;
+  uint64_t offset;  // inside the allocation `handle` names
+  cudaIpcMemHandle_t handle;
+};
+static_assert(std::is_trivially_copyable_v<PostRecord>, "post records are copied as bytes");
+
+// Room for two posts per message ahead (one more after a layout change) and a few stale ones; more
+// than the cap are dropped, which only sends those messages by slot.
+uint32_t post_ring_slots(uint32_t num_slots) { return std::min<uint32_t>(num_slots, 1024) * 2 + 10; }
+
+// The payload of a data message on the host ring.
+struct DataNote {
+  uint64_t post;  // the post the data went into (direct messages only)
+  // Posts of the sender's own receiving end (0 .. posts_passed - 1) whose counter writes precede,
+  // on the sender's stream, this message's ready write. A receiver whose stream waited for this
+  // message knows them passed and skips the device wait on their counter when it sends into them.
+  uint64_t posts_passed;
+};
+
+// A message layout as a receiver caches it: shared by the posts predicted from it.
+struct Layout {
+  MessageMeta meta;
+  uint64_t fingerprint;
+  std::vector<int64_t> offsets;  // packed offsets of the present entries, total bytes last
+};
+
+std::shared_ptr<const Layout> make_layout(MessageMeta meta) {
+  std::vector<int64_t> nbytes;
+  for (const EntryMeta& entry : meta) {
+    if (entry.present) {
+      nbytes.push_back(c10::multiply_integers(entry.sizes) * static_cast<int64_t>(c10::elementSize(entry.dtype)));
+    }
+  }
+  const uint64_t digest = fingerprint(meta);
+  return std::make_shared<const Layout>(Layout{std::move(meta), digest, packed_offsets_of_bytes(nbytes)});
+}
+
+// A buffer this end posted for an incoming message.
+struct PostedBuffer {
+  uint64_t seq;
+  uint64_t post;
+  std::shared_ptr<const Layout> layout;
+  at::Tensor buffer;    // uint8, layout->offsets.back() bytes
+  cudaStream_t stream;  // it was allocated on
+};
+
+// The message's tensors as views of the posted buffer at their packed offsets, built as at::empty
+// builds a CUDA tensor, without a dispatcher call per entry.
+Entries views_of(const at::Tensor& buffer, const Layout& layout) {
+  Entries entries;
+  entries.reserve(layout.meta.size());
+  size_t present = 0;
+  for (const EntryMeta& entry : layout.meta) {
+    if (!entry.present) {
+      entries.emplace_back(std::nullopt);
+      continue;
+    }
+    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()),
+                                                     c10::DispatchKeySet(c10::DispatchKey::CUDA),
+                                                     caffe2::TypeMeta::fromScalarType(entry.dtype));
+    impl->set_sizes_contiguous(entry.sizes);
+    // Packed offsets are multiples of kPackAlignment, which every element size divides.
+    impl->set_storage_offset(layout.offsets[present++] / static_cast<int64_t>(c10::elementSize(entry.dtype)));
+    entries.emplace_back(at::Tensor(std::move(impl)));
+  }
+  return entries;
+}
+
 void check_cuda(cudaError_t error, const char* call) {
   TORCH_CHECK(error == cudaSuccess, "pipecomm ipc channel: ", call, " failed: ", cudaGetErrorString(error));
 }
@@ -45,13 +126,24 @@ class IpcChannel {
              int device, uint32_t num_slots, size_t slot_bytes, double timeout_s)
       : host_receiver_(RingConfig{incoming_name, self_rank, peer_rank, num_slots, 1 << 16, timeout_s}),
         host_sender_(RingConfig{outgoing_name, self_rank, peer_rank, num_slots, 1 << 16, timeout_s}),
+        // The data receiver sends posts: its post ring runs against its data ring.
+        post_receiver_(
+            RingConfig{outgoing_name + ".posts", self_rank, peer_rank, post_ring_slots(num_slots), 4096, timeout_s}),
+        post_sender_(
+            RingConfig{incoming_name + ".posts", self_rank, peer_rank, post_ring_slots(num_slots), 4096, timeout_s}),
         device_(at::kCUDA, static_cast<c10::DeviceIndex>(device)),
         send_direction_("pipecomm ipc channel rank " + std::to_string(self_rank) + " -> rank " +
                         std::to_string(peer_rank)),
         receive_direction_("pipecomm ipc channel rank " + std::to_string(peer_rank) + " -> rank " +
                            std::to_string(self_rank)),
         receiver_(device, num_slots, slot_bytes, receive_direction_),
-        stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())) {
+        stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())),
+        // A sender decides on message n once its host ring took message n - 1, i.e. once this end
+        // released message n - 1 - num_slots: posting num_slots + 1 ahead of each release keeps a
+        // steady stream on the direct path, at that many messages' worth of memory.
+        post_depth_(uint64_t{num_slots} + 1),
+        received_(make_layout({})),
+        sent_fingerprint_(fingerprint({})) {
     host_sender_.set_wait_hook([this] { host_receiver_.service(); });
     const c10::cuda::CUDAGuard guard(device_);
     check_cuda(cudaEventCreateWithFlags(&caller_done_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
@@ -72,6 +164,8 @@ class IpcChannel {
     sender_.emplace(device_.index(), peer_handles, send_direction_);
     host_sender_.wait_connected();
     host_receiver_.wait_connected();
+    post_sender_.wait_connected();
+    post_receiver_.wait_connected();
   }
 
   // Returns 0 once the message is enqueued, or, leaving everything untouched, the slot size the
@@ -81,21 +175,46 @@ class IpcChannel {
     const std::vector<at::Tensor> tensors = present_tensors(outgoing);
     const std::vector<int64_t> offsets = packed_offsets(tensors);
     const auto needed = static_cast<size_t>(offsets.back());
-    if (needed > sender_->slot_bytes()) return needed;
-    MessageMeta meta = describe(outgoing);
+    std::optional<MessageMeta> changed_meta;
+    uint64_t digest = sent_fingerprint_;
+    if (!describes(sent_meta_, outgoing)) {
+      changed_meta = describe(outgoing);
+      digest = fingerprint(*changed_meta);
+    }
     py::gil_scoped_release no_gil;
-    if (meta != sent_meta_) {
-      const std::string encoded = encode(meta);
+    const PostRecord* post = post_for_next_message(digest, needed);
+    if (post == nullptr && needed > sender_->slot_bytes()) return needed;
+    if (changed_meta) {
+      const std::string encoded = encode(*changed_meta);
       host_sender_.send_bytes(encoded.data(), encoded.size(), kTagMeta);
-      sent_meta_ = std::move(meta);
+      sent_meta_ = std::move(*changed_meta);
+      sent_fingerprint_ = digest;
     }
     const c10::cuda::CUDAGuard guard(device_);
-    if (needed <= kCallerStreamMaxBytes) {
-      sender_->enqueue_send(send_seq_, regions_of(tensors, offsets), caller_stream().stream());
-    } else {
-      // The tensors were written on the caller's stream; the copies run on the channel's stream.
-      wait_for_caller();
-      sender_->enqueue_send(send_seq_, regions_of(tensors, offsets), stream_.stream());
+    const bool on_caller_stream = needed <= kCallerStreamMaxBytes;
+    const c10::cuda::CUDAStream stream = on_caller_stream ? caller_stream() : stream_;
+    // The tensors were written on the caller's stream; large messages are copied on the channel's.
+    if (!on_caller_stream) wait_for_caller();
+    const std::vector<CopyRegion> regions = regions_of(tensors, offsets);
+    // Large messages' copies run on the channel's stream, which was just ordered after the caller's:
+    // what the caller's stream is known to follow, they follow too.
+    const cudaStream_t caller = caller_stream().stream();
+    bool direct = false;
+    if (post != nullptr) {
+      const bool posted_passed = caller == peer_posts_stream_ && post->post < peer_posts_passed_;
+      direct = sender_->enqueue_send_direct(send_seq_, post->post, post->handle, static_cast<size_t>(post->offset),
+                                            static_cast<size_t>(post->bytes), regions.data(), regions.size(),
+                                            stream.stream(), posted_passed);
+      // An allocation this process cannot map will not map later either.
+      if (!direct) direct_enabled_ = false;
+    }
+    if (!direct) {
+      // Past a post this process could not map, the slot may still need to grow first; the meta,
+      // already sent, then precedes the data that follows the growth, as the peer expects.
+      if (needed > sender_->slot_bytes()) return needed;
+      sender_->enqueue_send(send_seq_, regions, stream.stream());
+    }
+    if (!on_caller_stream) {
       // Keeps the caching allocator from reusing their memory before the copies have read it.
       for (const at::Tensor& tensor : tensors) {
         c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), stream_);
@@ -103,7 +222,10 @@ class IpcChannel {
     }
     ++send_seq_;
     // Posted after the enqueue, so the receiver never waits on the device for a copy never issued.
-    host_sender_.send_bytes(nullptr, 0, kTagData);
+    // Read without receiver_mutex_: only this thread posts.
+    const DataNote note{direct ? post->post : 0, receiver_.posts_ordered_before(caller)};
+    if (direct) ++direct_sends_;
+    host_sender_.send_bytes(&note, sizeof(note), direct ? kTagDataDirect : kTagData);
     return 0;
   }
 
@@ -112,34 +234,69 @@ class IpcChannel {
     {
       py::gil_scoped_release no_gil;
       Message message = host_receiver_.recv();
+      bool layout_changed = false;
       if (message.tag == kTagMeta) {
-        received_meta_ = decode(std::string(static_cast<const char*>(message.data), message.bytes), receive_direction_);
+        received_ = make_layout(
+            decode(std::string(static_cast<const char*>(message.data), message.bytes), receive_direction_));
+        layout_changed = true;
         host_receiver_.release(message.seq);
         message = host_receiver_.recv();
       }
-      if (message.tag != kTagData) {
+      if ((message.tag != kTagData && message.tag != kTagDataDirect) || message.bytes != sizeof(DataNote)) {
         throw ProtocolError(receive_direction_ + ": host message " + std::to_string(message.seq) + " has tag " +
-                            std::to_string(message.tag) + " where data was expected");
+                            std::to_string(message.tag) + " and " + std::to_string(message.bytes) +
+                            " bytes where data was expected");
       }
-      host_receiver_.release(message.seq);
+      const bool direct = message.tag == kTagDataDirect;
+      DataNote note;
+      std::memcpy(&note, message.data, sizeof(note));
+      const uint64_t post_number = note.post;
       const c10::cuda::CUDAGuard guard(device_);
-      incoming = allocate(received_meta_, device_);
-      const std::vector<at::Tensor> tensors = present_tensors(incoming);
-      const std::vector<int64_t> offsets = packed_offsets(tensors);
+      const c10::cuda::CUDAStream caller = caller_stream();
       const std::lock_guard<std::mutex> lock(receiver_mutex_);
-      if (static_cast<size_t>(offsets.back()) <= kCallerStreamMaxBytes) {
-        receiver_.enqueue_receive(recv_seq_, regions_of(tensors, offsets), caller_stream().stream());
-      } else {
-        // The fresh outputs may reuse memory the caller's stream was still using.
-        wait_for_caller();
-        receiver_.enqueue_receive(recv_seq_, regions_of(tensors, offsets), stream_.stream());
-        for (const at::Tensor& tensor : tensors) {
-          c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), stream_);
+      // A layout seen twice in a row is predicted for the next messages; a new one may be a one-off.
+      // Posted ahead of this message's wait, the posts' counter writes stay off the stream's
+      // critical path.
+      if (!layout_changed) post_ahead(recv_seq_ + 1, caller.stream());
+      if (direct) {
+        const PostedBuffer* post = find_post(recv_seq_, post_number);
+        if (post == nullptr || (post->layout != received_ && post->layout->meta != received_->meta)) {
+          throw ProtocolError(receive_direction_ + ": message " + std::to_string(recv_seq_) + " came into post " +
+                              std::to_string(post_number) + ", but " +
+                              (post ? "that buffer was posted for another layout"
+                                    : "no such buffer was posted for it"));
         }
-        check_cuda(cudaEventRecord(channel_done_, stream_.stream()), "cudaEventRecord");
-        check_cuda(cudaStreamWaitEvent(caller_stream().stream(), channel_done_, 0), "cudaStreamWaitEvent");
+        receiver_.enqueue_receive_direct(recv_seq_, caller.stream());
+        if (caller.stream() != post->stream) {
+          c10::cuda::CUDACachingAllocator::recordStream(post->buffer.storage().data_ptr(), caller);
+        }
+        incoming = views_of(post->buffer, *received_);
+        ++direct_recvs_;
+      } else {
+        incoming = allocate(received_->meta, device_);
+        const std::vector<at::Tensor> tensors = present_tensors(incoming);
+        const std::vector<CopyRegion> regions = regions_of(tensors, received_->offsets);
+        if (static_cast<size_t>(received_->offsets.back()) <= kCallerStreamMaxBytes) {
+          receiver_.enqueue_receive(recv_seq_, regions, caller.stream());
+        } else {
+          // The fresh outputs may reuse memory the caller's stream was still using.
+          wait_for_caller();
+          receiver_.enqueue_receive(recv_seq_, regions, stream_.stream());
+          for (const at::Tensor& tensor : tensors) {
+            c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), stream_);
+          }
+          check_cuda(cudaEventRecord(channel_done_, stream_.stream()), "cudaEventRecord");
+          check_cuda(cudaStreamWaitEvent(caller.stream(), channel_done_, 0), "cudaStreamWaitEvent");
+        }
       }
+      // Either way the caller's stream now waits for this message's ready write.
+      peer_posts_passed_ = note.posts_passed;
+      peer_posts_stream_ = caller.stream();
+      // The other posts for this message were passed over: the sender never wrote them.
+      drop_posts_through(recv_seq_);
       ++recv_seq_;
+      // Released last: the sender may send one message further only once the posts for it are out.
+      host_receiver_.release(message.seq);
     }
     return to_python(incoming);
   }
@@ -166,13 +323,20 @@ class IpcChannel {
     if (sender_) sender_->abandon();
   }
 
+  // Posts still held are for messages the peer never sent (every sent message was received), so
+  // their buffers go back to the allocator.
   void close() noexcept {
     host_sender_.close();
     host_receiver_.close();
+    post_sender_.close();
+    post_receiver_.close();
+    posts_.clear();
   }
 
   uint64_t next_send_seq() const { return send_seq_; }
   uint64_t next_recv_seq() const { return recv_seq_; }
+  uint64_t direct_sends() const { return direct_sends_; }
+  uint64_t direct_recvs() const { return direct_recvs_; }
 
  private:
   c10::cuda::CUDAStream caller_stream() const { return at::cuda::getCurrentCUDAStream(device_.index()); }
@@ -182,8 +346,97 @@ class IpcChannel {
     check_cuda(cudaStreamWaitEvent(stream_.stream(), caller_done_, 0), "cudaStreamWaitEvent");
   }
 
+  // The peer's newest post for the next message if it has arrived and was made for this layout and
+  // size. Never waits: a message without one goes by slot, so no send depends on the peer receiving.
+  const PostRecord* post_for_next_message(uint64_t digest, size_t bytes) {
+    if (!direct_enabled_) return nullptr;
+    for (;;) {
+      std::optional<Message> message;
+      try {
+        message = post_receiver_.try_recv();
+      } catch (const ChannelError&) {
+        // The peer closed or died; the data ring reports that, and no more posts will come.
+        direct_enabled_ = false;
+        return nullptr;
+      }
+      if (!message) break;
+      if (message->tag != kTagPost || message->bytes != sizeof(PostRecord)) {
+        throw ProtocolError(send_direction_ + ": post ring message " + std::to_string(message->seq) + " has tag " +
+                            std::to_string(message->tag) + " and " + std::to_string(message->bytes) +
+                            " bytes, not a post record");
+      }
+      PostRecord record;
+      std::memcpy(&record, message->data, sizeof(record));
+      post_receiver_.release(message->seq);
+      if (record.seq >= send_seq_) peer_posts_.push_back(record);
+    }
+    peer_posts_.erase(std::remove_if(peer_posts_.begin(), peer_posts_.end(),
+                                     [&](const PostRecord& record) { return record.seq < send_seq_; }),
+                      peer_posts_.end());
+    for (auto it = peer_posts_.rbegin(); it != peer_posts_.rend(); ++it) {
+      if (it->seq == send_seq_ && it->fingerprint == digest && it->bytes == bytes) return &*it;
+    }
+    return nullptr;
+  }
+
+  const PostedBuffer* find_post(uint64_t seq, uint64_t post) const {
+    for (const PostedBuffer& posted : posts_) {
+      if (posted.seq == seq && posted.post == post) return &posted;
+    }
+    return nullptr;
+  }
+
+  void drop_posts_through(uint64_t seq) {
+    posts_.erase(std::remove_if(posts_.begin(), posts_.end(),
+                                [&](const PostedBuffer& posted) { return posted.seq <= seq; }),
+                 posts_.end());
+  }
+
+  // Offers buffers of the current layout for the post_depth_ messages from first_seq on that have
+  // none of it yet (after a layout change, a message may hold a post of each). Allocated on the
+  // caller's stream, so they are free for the peer's copies once that stream reaches the posted
+  // counter. Optional work:
+  // whatever stops it (no room on the post ring, no memory) leaves those messages to the slot path.
+  // Called with receiver_mutex_ held.
+  void post_ahead(uint64_t first_seq, cudaStream_t caller) {
+    if (!posting_enabled_ || received_->offsets.back() == 0) return;
+    const int64_t bytes = received_->offsets.back();
+    const uint64_t digest = received_->fingerprint;
+    for (uint64_t seq = first_seq; seq < first_seq + post_depth_; ++seq) {
+      if (std::any_of(posts_.begin(), posts_.end(), [&](const PostedBuffer& posted) {
+            return posted.seq == seq && posted.layout->fingerprint == digest;
+          })) {
+        continue;
+      }
+      if (!post_sender_.can_send_now()) return;  // the sender is not taking posts: it is not sending
+      at::Tensor buffer;
+      try {
+        buffer = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
+      } catch (const c10::OutOfMemoryError&) {
+        return;
+      }
+      PostRecord record{seq, next_post_, digest, static_cast<uint64_t>(bytes), 0, {}};
+      size_t offset = 0;
+      if (!receiver_.export_pointer(buffer.data_ptr(), &record.handle, &offset)) {
+        posting_enabled_ = false;  // e.g. expandable segments: the slot path carries everything
+        return;
+      }
+      record.offset = offset;
+      receiver_.enqueue_post(next_post_++, caller);
+      try {
+        post_sender_.send_bytes(&record, sizeof(record), kTagPost);
+      } catch (const ChannelError&) {
+        posting_enabled_ = false;  // the peer closed: it sends nothing more
+        return;
+      }
+      posts_.push_back({seq, record.post, received_, std::move(buffer), caller});
+    }
+  }
+
   ShmRingReceiver host_receiver_;
   ShmRingSender host_sender_;
+  ShmRingReceiver post_receiver_;  // posts for what this end sends
+  ShmRingSender post_sender_;      // posts for what this end receives
   at::Device device_;
   std::string send_direction_;
   std::string receive_direction_;
@@ -191,12 +444,25 @@ class IpcChannel {
   IpcRingReceiver receiver_;
   std::optional<IpcRingSender> sender_;
   c10::cuda::CUDAStream stream_;
+  uint64_t post_depth_;
   cudaEvent_t caller_done_ = nullptr;
   cudaEvent_t channel_done_ = nullptr;
   MessageMeta sent_meta_;
-  MessageMeta received_meta_;
+  std::shared_ptr<const Layout> received_;
+  uint64_t sent_fingerprint_;
   uint64_t send_seq_ = 0;
   uint64_t recv_seq_ = 0;
+  std::vector<PostRecord> peer_posts_;
+  // From the last data message received: the peer's posts known passed once peer_posts_stream_
+  // reaches the point that message's receive was enqueued at.
+  uint64_t peer_posts_passed_ = 0;
+  cudaStream_t peer_posts_stream_ = nullptr;
+  std::deque<PostedBuffer> posts_;
+  uint64_t next_post_ = 0;
+  bool direct_enabled_ = true;
+  bool posting_enabled_ = true;
+  uint64_t direct_sends_ = 0;
+  uint64_t direct_recvs_ = 0;
 };
 
 }  // namespace
@@ -216,7 +482,9 @@ void register_ipc_channel(py::module_& module) {
       .def("abandon", &IpcChannel::abandon)
       .def("close", &IpcChannel::close)
       .def_property_readonly("next_send_seq", &IpcChannel::next_send_seq)
-      .def_property_readonly("next_recv_seq", &IpcChannel::next_recv_seq);
+      .def_property_readonly("next_recv_seq", &IpcChannel::next_recv_seq)
+      .def_property_readonly("direct_sends", &IpcChannel::direct_sends)
+      .def_property_readonly("direct_recvs", &IpcChannel::direct_recvs);
 }
 
 }  // namespace pipecomm::transport

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <utility>
 
 #include "shm_ring.h"  // ChannelError, ProtocolError
@@ -20,10 +21,14 @@ namespace pipecomm::transport {
 namespace {
 
 constexpr uint32_t kMagic = 0x52435049;  // "IPCR" in memory order on little-endian hosts
-constexpr uint32_t kFormatVersion = 1;
+constexpr uint32_t kFormatVersion = 2;  // 2: the flags hold a `posted` line after ack[K]
 constexpr size_t kBusIdBytes = 32;
 constexpr size_t kFlagLineBytes = 64;  // every counter in its own line
 constexpr uint32_t kMaxSlots = 1u << 16;
+// Peer allocations a sender keeps mapped (cudaIpcOpenMemHandle costs far more than a message), and
+// exported allocations a receiver remembers; a caching allocator's steady state needs a handful.
+constexpr size_t kMaxPeerAllocations = 64;
+constexpr size_t kMaxExportedAllocations = 256;
 // The ABI version of the stream memory operations we ask for: the _v2 entry points (CUDA 11.7+,
 // the default from 12.0), which need no CAN_USE_STREAM_MEM_OPS_V1 attribute.
 constexpr unsigned int kDriverApiVersion = 12000;
@@ -45,6 +50,7 @@ static_assert(sizeof(cudaIpcMemHandle_t) == 64, "unexpected cudaIpcMemHandle_t s
 
 using StreamMemOpFn = CUresult(CUDAAPI*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 using ErrorStringFn = CUresult(CUDAAPI*)(CUresult, const char**);
+using PointerGetAttributesFn = CUresult(CUDAAPI*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
 
 std::string prefix_or_default(std::string prefix) {
   return prefix.empty() ? std::string("pipecomm ipc ring") : prefix;
@@ -71,6 +77,7 @@ struct DriverApi {
   StreamMemOpFn write_value32 = nullptr;
   ErrorStringFn get_error_name = nullptr;    // optional, for messages
   ErrorStringFn get_error_string = nullptr;  // optional, for messages
+  PointerGetAttributesFn pointer_get_attributes = nullptr;  // optional: without it, no direct path
 };
 
 void* lookup_driver_symbol(const char* symbol, bool required, const std::string& prefix) {
@@ -100,6 +107,8 @@ DriverApi load_driver_api(const std::string& prefix) {
   api.write_value32 = reinterpret_cast<StreamMemOpFn>(lookup_driver_symbol("cuStreamWriteValue32", true, prefix));
   api.get_error_name = reinterpret_cast<ErrorStringFn>(lookup_driver_symbol("cuGetErrorName", false, prefix));
   api.get_error_string = reinterpret_cast<ErrorStringFn>(lookup_driver_symbol("cuGetErrorString", false, prefix));
+  api.pointer_get_attributes =
+      reinterpret_cast<PointerGetAttributesFn>(lookup_driver_symbol("cuPointerGetAttributes", false, prefix));
   return api;
 }
 
@@ -161,7 +170,7 @@ size_t round_slot_bytes(size_t bytes, const std::string& prefix) {
 }
 
 // Where message seq lives: its slot, the round that slot's counters reach for it, and the slot's
-// two counters in the flags allocation (ready[K], then ack[K], each in its own line).
+// two counters in the flags allocation (ready[K], then ack[K], then posted, each in its own line).
 struct SlotPosition {
   uint32_t slot;
   uint32_t round;
@@ -179,6 +188,12 @@ SlotPosition slot_position(const void* flags, uint32_t num_slots, uint64_t seq) 
   return {slot, static_cast<uint32_t>(seq / num_slots + 1), base + size_t{slot} * kFlagLineBytes,
           base + (size_t{num_slots} + slot) * kFlagLineBytes};
 }
+
+const void* posted_counter(const void* flags, uint32_t num_slots) {
+  return static_cast<const char*>(flags) + size_t{2} * num_slots * kFlagLineBytes;
+}
+
+size_t flags_bytes_for(uint32_t num_slots) { return (size_t{2} * num_slots + 1) * kFlagLineBytes; }
 
 template <typename T>
 void put(std::string& blob, size_t offset, const T& value) {
@@ -253,6 +268,56 @@ const Generation& generation_holding(const std::vector<Generation>& generations,
                       " (the oldest starts at message " + std::to_string(generations.front().first_seq) + ")");
 }
 
+// Receiver allocations mapped in this process, shared by every sender in it: the runtime maps an
+// allocation at most once per process, and two channels to one peer may both be offered buffers in
+// the same caching-allocator segment.
+class PeerMappings {
+ public:
+  // The allocation's address here (opened on the current device), or nullptr with the runtime's
+  // error cleared when it cannot be mapped. Each success needs one release().
+  void* acquire(const cudaIpcMemHandle_t& handle) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (Mapping& mapping : mappings_) {
+      if (std::memcmp(&mapping.handle, &handle, sizeof(handle)) == 0) {
+        ++mapping.users;
+        return mapping.base;
+      }
+    }
+    void* base = nullptr;
+    if (cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    mappings_.push_back({handle, base, 1});
+    return base;
+  }
+
+  void release(void* base) noexcept {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = mappings_.begin(); it != mappings_.end(); ++it) {
+      if (it->base == base && --it->users == 0) {
+        (void)cudaIpcCloseMemHandle(base);
+        mappings_.erase(it);
+        return;
+      }
+    }
+  }
+
+ private:
+  struct Mapping {
+    cudaIpcMemHandle_t handle;
+    void* base;
+    int users;
+  };
+  std::mutex mutex_;
+  std::vector<Mapping> mappings_;
+};
+
+PeerMappings& peer_mappings() {
+  static auto* mappings = new PeerMappings();  // never destroyed: senders may outlive static destruction
+  return *mappings;
+}
+
 }  // namespace
 
 IpcRingHandleInfo parse_ipc_ring_handles(const std::string& handles) {
@@ -294,7 +359,7 @@ IpcRingReceiver::IpcRingReceiver(int device, uint32_t num_slots, size_t slot_byt
   DeviceGuard guard(device_, error_prefix_);
   try {
     pci_bus_id_ = bus_id_of(device_, error_prefix_);
-    const size_t flags_bytes = size_t{2} * num_slots_ * kFlagLineBytes;
+    const size_t flags_bytes = flags_bytes_for(num_slots_);
     check_cuda(cudaMalloc(&flags_, flags_bytes), error_prefix_, "cudaMalloc",
                "ring flags, " + std::to_string(flags_bytes) + " bytes on device " + std::to_string(device_));
     // Zero on a private stream and wait for it, before the handles can reach any sender; no
@@ -322,9 +387,11 @@ void IpcRingReceiver::release_all() noexcept {
   release_after_sync(device_, [&] {
     for (Generation& generation : generations_) (void)cudaFree(generation.data);
     if (flags_ != nullptr) (void)cudaFree(flags_);
+    if (post_fence_ != nullptr) (void)cudaEventDestroy(post_fence_);
   });
   generations_.clear();
   flags_ = nullptr;
+  post_fence_ = nullptr;
 }
 
 
@@ -416,6 +483,81 @@ void IpcRingReceiver::enqueue_receive(uint64_t seq, const CopyRegion* regions, s
   ++next_seq_;
 }
 
+void IpcRingReceiver::enqueue_receive_direct(uint64_t seq, cudaStream_t stream) {
+  check_next_seq(seq, next_seq_, error_prefix_, "enqueue_receive_direct");
+  const DriverApi& api = driver_api(error_prefix_);
+  DeviceGuard guard(device_, error_prefix_);
+  const SlotPosition position = slot_position(flags_, num_slots_, seq);
+  if (const CUresult result =
+          api.wait_value32(stream, device_address(position.ready), position.round, CU_STREAM_WAIT_VALUE_GEQ);
+      result != CUDA_SUCCESS) {
+    check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "ready, " + position.describe(seq) + ", direct");
+  }
+  ++next_seq_;
+}
+
+bool IpcRingReceiver::export_pointer(const void* pointer, cudaIpcMemHandle_t* handle, size_t* offset) {
+  const DriverApi& api = driver_api(error_prefix_);
+  if (api.pointer_get_attributes == nullptr || pointer == nullptr) return false;
+  unsigned long long buffer_id = 0;
+  CUdeviceptr range_start = 0;
+  size_t range_size = 0;
+  CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                      CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+  void* values[] = {&buffer_id, &range_start, &range_size};
+  if (api.pointer_get_attributes(3, attributes, values, device_address(pointer)) != CUDA_SUCCESS || range_start == 0) {
+    return false;
+  }
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  const auto base = static_cast<uintptr_t>(range_start);
+  for (const ExportedAllocation& exported : exported_) {
+    if (exported.buffer_id == buffer_id && exported.base == base) {
+      *handle = exported.handle;
+      *offset = address - base;
+      return true;
+    }
+  }
+  DeviceGuard guard(device_, error_prefix_);
+  ExportedAllocation exported{buffer_id, base, {}};
+  if (cudaIpcGetMemHandle(&exported.handle, reinterpret_cast<void*>(base)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  // Freed allocations never come back under the same buffer id, so forgetting them all is safe.
+  if (exported_.size() >= kMaxExportedAllocations) exported_.clear();
+  exported_.push_back(exported);
+  *handle = exported.handle;
+  *offset = address - base;
+  return true;
+}
+
+void IpcRingReceiver::enqueue_post(uint64_t post, cudaStream_t stream) {
+  if (posted_before_ && post < next_post_) {
+    throw ProtocolError(error_prefix_ + ": enqueue_post got post " + std::to_string(post) + ", but post " +
+                        std::to_string(next_post_ - 1) + " was already posted");
+  }
+  const DriverApi& api = driver_api(error_prefix_);
+  DeviceGuard guard(device_, error_prefix_);
+  if (posted_before_ && stream != last_post_stream_) {
+    // A later post on another stream must not raise the counter before the earlier post's stream
+    // got there: order the new stream after the old one.
+    if (post_fence_ == nullptr) {
+      check_cuda(cudaEventCreateWithFlags(&post_fence_, cudaEventDisableTiming), error_prefix_,
+                 "cudaEventCreateWithFlags", "post fence");
+    }
+    check_cuda(cudaEventRecord(post_fence_, last_post_stream_), error_prefix_, "cudaEventRecord", "post fence");
+    check_cuda(cudaStreamWaitEvent(stream, post_fence_, 0), error_prefix_, "cudaStreamWaitEvent", "post fence");
+  }
+  if (const CUresult result = api.write_value32(stream, device_address(posted_counter(flags_, num_slots_)),
+                                                static_cast<cuuint32_t>(post + 1), CU_STREAM_WRITE_VALUE_DEFAULT);
+      result != CUDA_SUCCESS) {
+    check_driver(result, api, error_prefix_, "cuStreamWriteValue32", "posted, post " + std::to_string(post));
+  }
+  posted_before_ = true;
+  last_post_stream_ = stream;
+  next_post_ = post + 1;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Sender
 
@@ -430,6 +572,7 @@ IpcRingSender::IpcRingSender(int device, const std::string& receiver_handles, st
   pci_bus_id_ = info.pci_bus_id;
   owner_pid_ = info.owner_pid;
   num_slots_ = info.num_slots;
+  slot_history_.resize(num_slots_);
   flags_handle_bytes_ = receiver_handles.substr(kOffFlagsHandle, sizeof(cudaIpcMemHandle_t));
   driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
@@ -484,9 +627,60 @@ void IpcRingSender::release_all() noexcept {
   release_after_sync(device_, [&] {
     for (Generation& generation : generations_) (void)cudaIpcCloseMemHandle(generation.data);
     if (flags_ != nullptr) (void)cudaIpcCloseMemHandle(flags_);
+    for (PeerAllocation& allocation : peer_allocations_) peer_mappings().release(allocation.base);
+    unmap_retired_allocations(/*all=*/true);
   });
   generations_.clear();
   flags_ = nullptr;
+  peer_allocations_.clear();
+}
+
+void IpcRingSender::unmap_retired_allocations(bool all) noexcept {
+  auto it = retired_allocations_.begin();
+  while (it != retired_allocations_.end()) {
+    bool passed = true;
+    for (cudaEvent_t fence : it->fences) {
+      if (!all && cudaEventQuery(fence) != cudaSuccess) {
+        passed = false;
+        break;
+      }
+    }
+    if (!passed) {
+      ++it;
+      continue;
+    }
+    for (cudaEvent_t fence : it->fences) (void)cudaEventDestroy(fence);
+    peer_mappings().release(it->base);
+    it = retired_allocations_.erase(it);
+  }
+  (void)cudaGetLastError();  // cudaEventQuery's cudaErrorNotReady
+}
+
+IpcRingSender::PeerAllocation* IpcRingSender::map_peer_allocation(const cudaIpcMemHandle_t& handle) {
+  for (PeerAllocation& allocation : peer_allocations_) {
+    if (std::memcmp(&allocation.handle, &handle, sizeof(handle)) == 0) return &allocation;
+  }
+  if (!retired_allocations_.empty()) unmap_retired_allocations(/*all=*/false);
+  if (peer_allocations_.size() >= kMaxPeerAllocations) {
+    // Evict the least recently used mapping; it is unmapped once the copies queued into it are done.
+    auto victim =
+        std::min_element(peer_allocations_.begin(), peer_allocations_.end(),
+                         [](const PeerAllocation& a, const PeerAllocation& b) { return a.last_use < b.last_use; });
+    RetiredAllocation retired{victim->base, {}};
+    for (cudaStream_t stream : victim->streams) {
+      cudaEvent_t fence = nullptr;
+      check_cuda(cudaEventCreateWithFlags(&fence, cudaEventDisableTiming), error_prefix_, "cudaEventCreateWithFlags",
+                 "unmap fence");
+      retired.fences.push_back(fence);
+      check_cuda(cudaEventRecord(fence, stream), error_prefix_, "cudaEventRecord", "unmap fence");
+    }
+    retired_allocations_.push_back(std::move(retired));
+    peer_allocations_.erase(victim);
+  }
+  void* base = peer_mappings().acquire(handle);
+  if (base == nullptr) return nullptr;
+  peer_allocations_.push_back({handle, static_cast<char*>(base), 0, {}});
+  return &peer_allocations_.back();
 }
 
 void IpcRingSender::update(const std::string& handles) {
@@ -536,11 +730,21 @@ void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t
   const auto what = [&] { return position.describe(seq); };
 
   // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
-  if (seq >= num_slots_) {  // the slot's previous occupant (message seq - K) must have been copied out
+  SlotHistory& history = slot_history_[position.slot];
+  if (history.slot_round > 0) {  // the slot's last slot-path occupant must have been copied out
     if (const CUresult result =
-            api.wait_value32(stream, device_address(position.ack), position.round - 1, CU_STREAM_WAIT_VALUE_GEQ);
+            api.wait_value32(stream, device_address(position.ack), history.slot_round, CU_STREAM_WAIT_VALUE_GEQ);
         result != CUDA_SUCCESS) {
       check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "ack, " + what());
+    }
+  }
+  // After a direct message on another stream, that message's ready write must land first.
+  if (seq >= num_slots_ && history.slot_round != position.round - 1 && history.stream != stream) {
+    if (const CUresult result =
+            api.wait_value32(stream, device_address(position.ready), position.round - 1, CU_STREAM_WAIT_VALUE_GEQ);
+        result != CUDA_SUCCESS) {
+      check_driver(result, api, error_prefix_, "cuStreamWaitValue32",
+                   "ready of the slot's previous message, " + what());
     }
   }
   for (size_t i = 0; i < count; ++i) {
@@ -557,7 +761,66 @@ void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t
       result != CUDA_SUCCESS) {
     check_driver(result, api, error_prefix_, "cuStreamWriteValue32", "ready, " + what());
   }
+  history.slot_round = position.round;
+  history.stream = stream;
   ++next_seq_;
+}
+
+bool IpcRingSender::enqueue_send_direct(uint64_t seq, uint64_t post, const cudaIpcMemHandle_t& handle,
+                                        size_t offset, size_t capacity, const CopyRegion* regions, size_t count,
+                                        cudaStream_t stream, bool posted_passed) {
+  check_next_seq(seq, next_seq_, error_prefix_, "enqueue_send_direct");
+  check_regions(regions, count, capacity, 0, seq, error_prefix_);
+  const DriverApi& api = driver_api(error_prefix_);
+  DeviceGuard guard(device_, error_prefix_);
+  PeerAllocation* allocation = map_peer_allocation(handle);
+  if (allocation == nullptr) return false;
+  allocation->last_use = ++allocation_uses_;
+  if (std::find(allocation->streams.begin(), allocation->streams.end(), stream) == allocation->streams.end()) {
+    allocation->streams.push_back(stream);
+  }
+
+  const SlotPosition position = slot_position(flags_, num_slots_, seq);
+  char* buffer = allocation->base + offset;
+  // Built only on failure: this is the per-message hot path.
+  const auto what = [&] { return position.describe(seq) + ", into post " + std::to_string(post); };
+
+  // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
+  SlotHistory& history = slot_history_[position.slot];
+  // ready[slot] rises in message order: on one stream by itself, across streams after this wait.
+  if (seq >= num_slots_ && history.stream != stream) {
+    if (const CUresult result =
+            api.wait_value32(stream, device_address(position.ready), position.round - 1, CU_STREAM_WAIT_VALUE_GEQ);
+        result != CUDA_SUCCESS) {
+      check_driver(result, api, error_prefix_, "cuStreamWaitValue32",
+                   "ready of the slot's previous message, " + what());
+    }
+  }
+  // The receiver's stream has passed the buffer's allocation: nothing of its own still uses that memory.
+  if (!posted_passed) {
+    if (const CUresult result = api.wait_value32(stream, device_address(posted_counter(flags_, num_slots_)),
+                                                 static_cast<cuuint32_t>(post + 1), CU_STREAM_WAIT_VALUE_GEQ);
+        result != CUDA_SUCCESS) {
+      check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "posted, " + what());
+    }
+  }
+  for (size_t i = 0; i < count; ++i) {
+    if (regions[i].bytes == 0) continue;
+    if (const cudaError_t error = cudaMemcpyAsync(buffer + regions[i].slot_offset, regions[i].local, regions[i].bytes,
+                                                  cudaMemcpyDeviceToDevice, stream);
+        error != cudaSuccess) {
+      check_cuda(error, error_prefix_, "cudaMemcpyAsync",
+                 "into the posted buffer, " + what() + ", region " + std::to_string(i));
+    }
+  }
+  if (const CUresult result =
+          api.write_value32(stream, device_address(position.ready), position.round, CU_STREAM_WRITE_VALUE_DEFAULT);
+      result != CUDA_SUCCESS) {
+    check_driver(result, api, error_prefix_, "cuStreamWriteValue32", "ready, " + what());
+  }
+  history.stream = stream;
+  ++next_seq_;
+  return true;
 }
 
 void IpcRingSender::enqueue_wait_consumed(uint64_t seq, cudaStream_t stream) {

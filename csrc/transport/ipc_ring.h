@@ -3,15 +3,30 @@
 // driver's stream memory operations are reached through cudaGetDriverEntryPoint*, so nothing links
 // libcuda directly.
 //
-// The receiver owns, on its device, one flags allocation (ready[K] and ack[K] uint32 counters, each in
-// its own 64-byte line, zeroed once and never reallocated) and one data allocation of K slots per
-// generation. Both are exported with cudaIpcGetMemHandle; export_handles()/grow() serialize them and
-// the layer above carries the bytes to the sender (job store, host channel).
+// The receiver owns, on its device, one flags allocation (ready[K] and ack[K] uint32 counters and one
+// `posted` counter, each in its own 64-byte line, zeroed once and never reallocated) and one data
+// allocation of K slots per generation. Both are exported with cudaIpcGetMemHandle;
+// export_handles()/grow() serialize them and the layer above carries the bytes to the sender (job
+// store, host channel).
 //
 // Message seq (0, 1, 2, ... per direction) uses slot = seq % K and round = seq / K + 1 (uint32, compared
-// wrap-safely by the GPU). Everything is stream-ordered, the host never blocks:
+// wrap-safely by the GPU). Everything is stream-ordered, the host never blocks. The slot path:
 //   sender:   wait ack[slot] >= round - 1; copy regions into the peer slot; write ready[slot] = round
 //   receiver: wait ready[slot] >= round;   copy regions out of the slot;    write ack[slot] = round
+// (round - 1 when the slot's previous message also went by slot; see below for the general rule).
+//
+// Direct path ("posted receive"): the receiver may also offer, ahead of time, a destination buffer for
+// message seq anywhere in an IPC-exportable allocation of its own (export_pointer()). Its posts are
+// numbered 0, 1, 2, ... (more than one may name the same message, e.g. after a layout change); for
+// post p it enqueues posted = p + 1 on the stream it allocated the buffer on, and passes p, handle
+// and offset to the sender out of band. Then:
+//   sender:   wait posted >= p + 1; copy regions into the buffer; write ready[slot] = round
+//   receiver: wait ready[slot] >= round
+// A direct message uses no slot data, so it is never acknowledged: the sender remembers per slot
+// the round of its last slot-path message and waits for that ack before reusing the slot's data.
+// ready[slot] must still rise in message order: when a slot's previous message was enqueued on
+// another stream, a send first waits ready[slot] >= round - 1 (or, after a slot-path message, the
+// ack, as above). In a steady stream on one stream the direct path thus costs one wait and one write.
 //
 // Peer death: a stream waiting on a flag that a dead peer will never write never completes, and
 // neither does anything queued behind it (nor cudaDeviceSynchronize, nor the destructors below, which
@@ -82,9 +97,33 @@ class IpcRingReceiver {
     enqueue_receive(seq, regions.data(), regions.size(), stream);
   }
 
+  // For a message the sender wrote into a posted buffer: enqueues on `stream` only the wait
+  // ready[slot] >= round (no copy, no acknowledgement). seq must be exactly the next one.
+  void enqueue_receive_direct(uint64_t seq, cudaStream_t stream);
+
   // Skip synchronization and freeing in the destructor (leaks the device memory). For a process
   // whose peer died while streams still wait on its flags.
   void abandon() noexcept { abandoned_ = true; }
+
+  // Where `pointer` (device memory of this end's device) lies for a peer process: the IPC handle of
+  // the allocation holding it and its offset there. Returns false, with the runtime's error cleared,
+  // when that allocation cannot be exported (e.g. virtual-memory or stream-ordered allocations):
+  // the caller then keeps to the slot path. Handles are cached per allocation (by the driver's
+  // buffer id, unique for the process's lifetime), so a steady stream of buffers costs one driver
+  // query each.
+  bool export_pointer(const void* pointer, cudaIpcMemHandle_t* handle, size_t* offset);
+
+  // How many posts (0 .. n - 1) have their counter write ordered before whatever is enqueued next
+  // on `stream`: all of them on the stream of the last post (earlier posts' streams are chained to
+  // it), none elsewhere.
+  uint64_t posts_ordered_before(cudaStream_t stream) const {
+    return posted_before_ && stream == last_post_stream_ ? next_post_ : 0;
+  }
+
+  // Enqueues on `stream` (the one post's buffer was allocated on) posted = post + 1, after
+  // everything earlier posts' streams had reached: the counter then only grows on the device,
+  // whatever streams the posts came from. post must exceed every earlier one.
+  void enqueue_post(uint64_t post, cudaStream_t stream);
 
   int device() const { return device_; }
   uint32_t num_slots() const { return num_slots_; }
@@ -100,6 +139,11 @@ class IpcRingReceiver {
     void* data;
     cudaIpcMemHandle_t handle;
   };
+  struct ExportedAllocation {
+    unsigned long long buffer_id;
+    uintptr_t base;
+    cudaIpcMemHandle_t handle;
+  };
   void add_generation(size_t slot_bytes, uint64_t first_seq);
   std::string serialize(const Generation& generation) const;
   void release_all() noexcept;
@@ -112,6 +156,11 @@ class IpcRingReceiver {
   cudaIpcMemHandle_t flags_handle_{};
   std::vector<Generation> generations_;
   uint64_t next_seq_ = 0;
+  std::vector<ExportedAllocation> exported_;
+  uint64_t next_post_ = 0;
+  bool posted_before_ = false;
+  cudaStream_t last_post_stream_ = nullptr;
+  cudaEvent_t post_fence_ = nullptr;
   bool abandoned_ = false;
 };
 
@@ -132,8 +181,10 @@ class IpcRingSender {
   // is ignored.
   void update(const std::string& handles);
 
-  // Enqueues on `stream` (of this end's device): wait ack[slot] >= round - 1, one
-  // cudaMemcpyAsync(peer slot + slot_offset, local, bytes) per region, write ready[slot] = round.
+  // Enqueues on `stream` (of this end's device): wait for the ack of the slot's last slot-path
+  // message (round - 1 when all go by slot; after a direct message on another stream, also
+  // ready[slot] >= round - 1), one cudaMemcpyAsync(peer slot + slot_offset, local, bytes) per region,
+  // write ready[slot] = round.
   // Every region must fit the slot (ProtocolError naming seq, region and sizes otherwise, before
   // anything is enqueued). seq must be exactly the next one (0, 1, 2, ...).
   void enqueue_send(uint64_t seq, const CopyRegion* regions, size_t count, cudaStream_t stream);
@@ -141,14 +192,27 @@ class IpcRingSender {
     enqueue_send(seq, regions.data(), regions.size(), stream);
   }
 
+  // The direct path: like enqueue_send, but the regions' slot_offset are relative to the receiver's
+  // buffer of `post` (made for message seq), which lies `offset` bytes into the allocation `handle`
+  // names and holds `capacity` bytes (ProtocolError before anything is enqueued if a region does not
+  // fit). Waits posted >= post + 1 before copying, unless `posted_passed` says `stream` is already
+  // ordered after that write (the caller knows it from the peer's messages). Returns false, having
+  // enqueued nothing and kept seq unsent, when that allocation cannot be mapped here: the caller then
+  // uses the slot path.
+  bool enqueue_send_direct(uint64_t seq, uint64_t post, const cudaIpcMemHandle_t& handle, size_t offset,
+                           size_t capacity, const CopyRegion* regions, size_t count, cudaStream_t stream,
+                           bool posted_passed = false);
+
   // Enqueues on `stream` a wait until the receiver has copied message seq out of its slot
-  // (ack[slot] >= round). For flushing or timing; the host does not block.
+  // (ack[slot] >= round). For flushing or timing; the host does not block. Only for a message sent
+  // by the slot path: direct messages are never acknowledged.
   void enqueue_wait_consumed(uint64_t seq, cudaStream_t stream);
 
   void abandon() noexcept { abandoned_ = true; }
 
   int device() const { return device_; }
   int peer_device() const { return peer_device_; }  // -1 when not visible in this process
+  size_t mapped_peer_allocations() const { return peer_allocations_.size(); }
   uint32_t num_slots() const { return num_slots_; }
   // Slot size of the newest mapped generation.
   size_t slot_bytes() const { return generations_.back().slot_bytes; }
@@ -162,6 +226,26 @@ class IpcRingSender {
     size_t slot_bytes;
     void* data;  // mapped in this process
   };
+  // A receiver allocation that posted buffers lie in, mapped here. Unmapping waits for every copy
+  // into it, so it remembers the streams those ran on.
+  struct PeerAllocation {
+    cudaIpcMemHandle_t handle;
+    char* base;
+    uint64_t last_use;
+    std::vector<cudaStream_t> streams;
+  };
+  // What the next message in a slot must order itself after.
+  struct SlotHistory {
+    uint32_t slot_round = 0;  // round of the slot's last slot-path message; 0: none yet
+    cudaStream_t stream = nullptr;  // of the slot's last message (either path)
+  };
+  // Evicted from the mapping cache; unmapped once every fence has passed.
+  struct RetiredAllocation {
+    char* base;
+    std::vector<cudaEvent_t> fences;
+  };
+  PeerAllocation* map_peer_allocation(const cudaIpcMemHandle_t& handle);
+  void unmap_retired_allocations(bool all) noexcept;
   void release_all() noexcept;
 
   int device_;
@@ -174,6 +258,10 @@ class IpcRingSender {
   void* flags_ = nullptr;  // mapped in this process
   std::vector<Generation> generations_;
   uint64_t next_seq_ = 0;
+  std::vector<SlotHistory> slot_history_;
+  std::vector<PeerAllocation> peer_allocations_;
+  std::vector<RetiredAllocation> retired_allocations_;
+  uint64_t allocation_uses_ = 0;
   bool abandoned_ = false;
 };
 

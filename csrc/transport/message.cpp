@@ -46,7 +46,8 @@ Entries outgoing_entries(const py::sequence& entries, const at::Device& device, 
     const at::Tensor& tensor = THPVariable_Unpack(entry.ptr());
     TORCH_CHECK_VALUE(tensor.device() == device, direction, ": tensors[", i, "] is on ", tensor.device(),
                       ", but this channel carries tensors on ", device);
-    checked.emplace_back(tensor.detach().contiguous());
+    // Only a copy needs detaching: the channel reads the data, it never hands these tensors back.
+    checked.emplace_back(tensor.is_contiguous() ? tensor : tensor.detach().contiguous());
   }
   return checked;
 }
@@ -60,6 +61,36 @@ MessageMeta describe(const Entries& entries) {
     meta[i].sizes = entries[i]->sizes().vec();
   }
   return meta;
+}
+
+bool describes(const MessageMeta& meta, const Entries& entries) {
+  if (meta.size() != entries.size()) return false;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (meta[i].present != entries[i].has_value()) return false;
+    if (entries[i] && (meta[i].dtype != entries[i]->scalar_type() || entries[i]->sizes() != meta[i].sizes)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+uint64_t fingerprint(const MessageMeta& meta) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  const auto mix = [&](uint64_t value) {
+    for (int byte = 0; byte < 8; ++byte) {
+      hash ^= (value >> (8 * byte)) & 0xff;
+      hash *= 0x100000001b3ull;
+    }
+  };
+  mix(meta.size());
+  for (const EntryMeta& entry : meta) {
+    mix(entry.present ? 1 : 0);
+    if (!entry.present) continue;
+    mix(static_cast<uint64_t>(entry.dtype));
+    mix(entry.sizes.size());
+    for (const int64_t size : entry.sizes) mix(static_cast<uint64_t>(size));
+  }
+  return hash;
 }
 
 std::vector<at::Tensor> present_tensors(const Entries& entries) {

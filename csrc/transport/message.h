@@ -30,6 +30,10 @@ using MessageMeta = std::vector<EntryMeta>;
 Entries outgoing_entries(const pybind11::sequence& entries, const at::Device& device, const std::string& direction);
 
 MessageMeta describe(const Entries& entries);
+// Whether `meta` describes `entries`, without building their metadata (the per-message check).
+bool describes(const MessageMeta& meta, const Entries& entries);
+// A 64-bit digest of the metadata (FNV-1a), equal on both ends for equal metadata.
+uint64_t fingerprint(const MessageMeta& meta);
 std::vector<at::Tensor> present_tensors(const Entries& entries);
 
 // A compact binary form sent only when the metadata changes.
@@ -44,5 +48,7 @@ pybind11::tuple to_python(const Entries& entries);
 // Message kinds on a channel's host ring.
 constexpr uint32_t kTagMeta = 1;
 constexpr uint32_t kTagData = 2;
+constexpr uint32_t kTagDataDirect = 3;  // the IPC channel's data, already in a buffer the receiver posted
+constexpr uint32_t kTagPost = 4;        // the IPC channel's post ring: a buffer offered for one message
 
 }  // namespace pipecomm::transport

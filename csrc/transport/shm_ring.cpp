@@ -944,6 +944,11 @@ void ShmRingSender::send_bytes(const void* data, size_t bytes, uint32_t tag) {
   send(&part, 1, tag);
 }
 
+bool ShmRingSender::can_send_now() const {
+  return !closed_ && control_ != nullptr && control_->receiver_closed.load(std::memory_order_acquire) == 0 &&
+         control_->read_count.load(std::memory_order_acquire) + config_.num_slots > next_send_seq_;
+}
+
 void ShmRingSender::close() noexcept {
   if (closed_) return;
   closed_ = true;

@@ -185,6 +185,9 @@ class ShmRingSender {
   void send(const MessagePart* parts, size_t num_parts, uint32_t tag);
   void send(const std::vector<MessagePart>& parts, uint32_t tag);
   void send_bytes(const void* data, size_t bytes, uint32_t tag);
+  // Whether a send() of up to slot_bytes() would go ahead at once: attached, neither end closed and a
+  // slot free. For optional messages that are dropped rather than waited for.
+  bool can_send_now() const;
 
   // Called repeatedly while send() waits for the receiver. A duplex channel passes its own
   // receiver's service(), so two ends sending oversized messages to each other cannot deadlock.

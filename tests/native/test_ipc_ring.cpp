@@ -2,7 +2,7 @@
 // CUDA call: process A is the receiver on GPU 0, process B the sender on GPU 1 (or GPU 0 as well when
 // only one GPU is visible or the two cannot reach each other). They exchange the serialized handles
 // and grow requests over a socketpair, and report each case to the parent over a pipe.
-// Usage: test_ipc_ring [case]   (round_trip, stress or bandwidth; all by default)
+// Usage: test_ipc_ring [case]   (round_trip, direct, stress or bandwidth; all by default)
 #include "../../csrc/transport/ipc_ring.h"
 
 #include <cuda_runtime_api.h>
@@ -365,6 +365,119 @@ void round_trip_sender(Context& ctx, Arena& arena) {
   send_frame(ctx.sock, "done");
 }
 
+// ---- case 1b: direct writes into posted buffers, mixed with slot messages ------------------------------
+
+constexpr uint32_t kDirectSlots = 3;  // odd: each slot alternates direct and slot-path messages
+constexpr size_t kDirectSlotBytes = 64 * 1024;
+constexpr uint64_t kDirectMessages = 24;
+constexpr size_t kDirectPoolBytes = 4 * MiB;  // one allocation, as a caching allocator's segment
+
+// Even messages go direct (two regions, larger than a slot), odd ones by slot.
+bool direct_message(uint64_t seq) { return seq % 2 == 0; }
+std::vector<CopyRegion> direct_layout(uint64_t seq) {
+  if (direct_message(seq)) return {{nullptr, 0, 100000 + seq}, {nullptr, 100352, 5000}};
+  return {{nullptr, 0, 3000 + seq}, {nullptr, 4096, 17}};
+}
+// Where message seq's posted buffer lies in the pool: different for nearby messages.
+size_t direct_pool_offset(uint64_t seq) { return (seq / 2 % 5) * 512 * 1024 + 256; }
+
+struct PostFrame {
+  uint64_t seq;
+  uint64_t offset;
+  uint64_t capacity;
+  cudaIpcMemHandle_t handle;
+};
+
+void direct_receiver(Context& ctx, Arena& arena) {
+  auto& ring =
+      arena.make<IpcRingReceiver>(ctx.device, kDirectSlots, kDirectSlotBytes, "test ipc direct rank 1 -> rank 0");
+  send_frame(ctx.sock, ring.export_handles());
+  char* pool = static_cast<char*>(arena.device(kDirectPoolBytes));
+  cudaStream_t streams[2] = {arena.stream(), arena.stream()};
+  cudaStream_t stream = arena.stream();
+  size_t bad_bytes = 0;
+  for (uint64_t seq = 0; seq < kDirectMessages; ++seq) {
+    std::vector<CopyRegion> regions = direct_layout(seq);
+    if (direct_message(seq)) {
+      char* buffer = pool + direct_pool_offset(seq);
+      PostFrame post{seq, 0, 0, {}};
+      size_t offset = 0;
+      CHECK(ring.export_pointer(buffer, &post.handle, &offset), "export_pointer refused a cudaMalloc allocation");
+      CHECK(offset == direct_pool_offset(seq), "offset " + std::to_string(offset));
+      post.offset = offset;
+      post.capacity = regions.back().slot_offset + regions.back().bytes;
+      // The buffer's previous contents are written on the posting stream right before the post: the
+      // sender's copy must land after them. Posts alternate streams to exercise the counter's fence.
+      cudaStream_t post_stream = streams[seq / 2 % 2];
+      CUDA_CHECK(cudaMemsetAsync(buffer, 0xEE, post.capacity, post_stream));
+      ring.enqueue_post(seq / 2, post_stream);
+      send_frame(ctx.sock, std::string(reinterpret_cast<const char*>(&post), sizeof(post)));
+      for (auto& region : regions) region.local = buffer + region.slot_offset;
+      ring.enqueue_receive_direct(seq, stream);
+    } else {
+      for (auto& region : regions) region.local = arena.device(region.bytes);
+      ring.enqueue_receive(seq, regions, stream);
+    }
+    sync_stream(stream, "direct case receive " + std::to_string(seq));
+    for (size_t r = 0; r < regions.size(); ++r) {
+      std::vector<unsigned char> host(regions[r].bytes);
+      CUDA_CHECK(cudaMemcpy(host.data(), regions[r].local, host.size(), cudaMemcpyDeviceToHost));
+      for (size_t i = 0; i < host.size(); ++i) bad_bytes += host[i] != round_trip_byte(seq, r, i);
+    }
+  }
+  CHECK(bad_bytes == 0, std::to_string(bad_bytes) + " wrong bytes");
+  expect_protocol_error([&] { ring.enqueue_post(3, stream); }, "already posted", "post number behind an earlier one");
+  CHECK(!ring.export_pointer(nullptr, nullptr, nullptr), "exported a null pointer");
+  CHECK(recv_frame(ctx.sock, "end of direct case") == "done", "");
+}
+
+void direct_sender(Context& ctx, Arena& arena) {
+  auto& ring = arena.make<IpcRingSender>(ctx.device, recv_frame(ctx.sock, "direct handles"),
+                                         "test ipc direct rank 1 -> rank 0");
+  // Runs of messages on two streams: a slot's messages must still flag ready in order.
+  cudaStream_t streams[2] = {arena.stream(), arena.stream()};
+  cudaStream_t stream = streams[0];
+  for (uint64_t seq = 0; seq < kDirectMessages; ++seq) {
+    stream = streams[seq / 5 % 2];
+    std::vector<CopyRegion> regions = direct_layout(seq);
+    for (size_t r = 0; r < regions.size(); ++r) {
+      std::vector<unsigned char> host(regions[r].bytes);
+      for (size_t i = 0; i < host.size(); ++i) host[i] = round_trip_byte(seq, r, i);
+      regions[r].local = arena.device(host.size());
+      CUDA_CHECK(cudaMemcpy(regions[r].local, host.data(), host.size(), cudaMemcpyHostToDevice));
+    }
+    if (!direct_message(seq)) {
+      ring.enqueue_send(seq, regions, stream);
+      continue;
+    }
+    const std::string frame = recv_frame(ctx.sock, "post of message " + std::to_string(seq));
+    CHECK(frame.size() == sizeof(PostFrame), "post frame size");
+    PostFrame post;
+    std::memcpy(&post, frame.data(), sizeof(post));
+    CHECK(post.seq == seq, "post for message " + std::to_string(post.seq));
+    expect_protocol_error(
+        [&] {
+          ring.enqueue_send_direct(seq, seq / 2, post.handle, post.offset, post.capacity - 1, regions.data(),
+                                   regions.size(), stream);
+        },
+        "region 1", "region past the posted buffer");
+    expect_protocol_error(
+        [&] {
+          ring.enqueue_send_direct(seq + 1, seq / 2, post.handle, post.offset, post.capacity, regions.data(),
+                                   regions.size(), stream);
+        },
+        "expected " + std::to_string(seq), "out-of-order direct send");
+    const bool sent = ring.enqueue_send_direct(seq, seq / 2, post.handle, post.offset, post.capacity,
+                                               regions.data(), regions.size(), stream);
+    CHECK(sent, "could not map the receiver's allocation");
+  }
+  CHECK(ring.mapped_peer_allocations() == 1, std::to_string(ring.mapped_peer_allocations()) + " mappings of one pool");
+  ring.enqueue_wait_consumed(kDirectMessages - 1, stream);  // odd: by slot
+  sync_stream(streams[1], "direct case: sends on stream 1");
+  sync_stream(streams[0], "direct case: last message consumed");
+  send_frame(ctx.sock, "done");
+}
+
 // ---- case 2: ordering, flow control and growth under load --------------------------------------------
 
 constexpr uint32_t kStressSlots = 4;
@@ -646,6 +759,7 @@ int child_main(bool receiver, int sock) {
   }
   const std::vector<Case> cases = {
       {"round_trip", round_trip_receiver, round_trip_sender},
+      {"direct", direct_receiver, direct_sender},
       {"stress", stress_receiver, stress_sender},
       {"bandwidth", bandwidth_receiver,
        [same_device](Context& c, Arena& a) { bandwidth_sender(c, a, same_device); }},
@@ -658,9 +772,9 @@ int child_main(bool receiver, int sock) {
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc > 1) g_only_case = argv[1];
-  if (argc > 2 || (argc == 2 && g_only_case != "round_trip" && g_only_case != "stress" &&
-                   g_only_case != "bandwidth")) {
-    std::fprintf(stderr, "usage: %s [round_trip|stress|bandwidth]\n", argv[0]);
+  if (argc > 2 || (argc == 2 && g_only_case != "round_trip" && g_only_case != "direct" &&
+                   g_only_case != "stress" && g_only_case != "bandwidth")) {
+    std::fprintf(stderr, "usage: %s [round_trip|direct|stress|bandwidth]\n", argv[0]);
     return 2;
   }
   // A child whose peer already exited must report the failure, not die writing to the socket.
