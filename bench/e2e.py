@@ -1,17 +1,17 @@
-"""GPU benchmark: end-to-end pipeline training step, pipecomm's schedules vs torch.distributed.pipelining, on 2 GPUs.
+"""GPU benchmark: end-to-end pipeline training step, pipecomm's schedules vs torch.distributed.pipelining, on p GPUs.
 
-Spawns two ranks (rank r on cuda:r, one NCCL process group). The model is a GPT block stack in bf16
-(pre-norm causal self-attention through scaled_dot_product_attention, then a 4x MLP), 8 layers,
-split into 2 stages of 4 layers (interleaved schedules: 4 chunks of 2 layers, rank r holds chunks
-r and r + 2). The batch is micro_batch_size * micro_batches sequences; the loss is the MSE against a
-random target. Each layer is initialised from its own seed, so every schedule trains the same model
-on the same data (the loss column must agree across rows).
+Spawns --ranks p ranks (default 2; rank r on cuda:r, one NCCL process group). The model is a GPT
+block stack in bf16 (pre-norm causal self-attention through scaled_dot_product_attention, then a 4x
+MLP), 8 layers, split into p stages of 8/p layers (interleaved schedules: 2p chunks, rank r holds
+chunks r and r + p). The batch is micro_batch_size * micro_batches sequences; the loss is the MSE
+against a random target. Each layer is initialised from its own seed, so every schedule trains the
+same model on the same data (the loss column must agree across rows).
 
 Per config (d / seq / micro-batch size / micro-batches, the three of ../shared/GPU-BASELINES.md) and
 schedule it reports the median step time (CUDA events, after warm-up; the slower rank), the
 efficiency = one stage's pure compute time / step time, where the compute time is forward + backward
-of one stage's 4 layers on one micro-batch on one GPU without a pipeline, times micro_batches (the
-slower of the two stages), the ideal 1F1B efficiency m / (m + p - 1), and each rank's peak memory
+of one stage's layers on one micro-batch on one GPU without a pipeline, times micro_batches (the
+slowest stage), the ideal 1F1B efficiency m / (m + p - 1), and each rank's peak memory
 (torch.cuda.max_memory_allocated, reset before each schedule; model weights included; for CUDA-graph rows
 plus the free part of the graphs' private memory pools, which their replays reuse).
 
@@ -44,14 +44,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pipecomm.schedule import make_schedule, simulate
+
 from _common import RankFailure, environment, print_environment, print_table, spawn_ranks, start_rank, write_json
 
-WORLD_SIZE = 2
 NUM_LAYERS = 8
 VIRTUAL = 2  # chunks per rank for the interleaved schedules
 
 GRAPHS = "+graphs"  # suffix: the same schedule with Pipeline(cuda_graphs=True)
 PIPECOMM_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "1f1b" + GRAPHS, "interleaved-1f1b" + GRAPHS]
+# torch rows whose schedule pipecomm also generates, for the theoretical bubble (torch's zero-bubble
+# schedule is a different one).
+SAME_SCHEDULE = {"torch GPipe": "gpipe", "torch 1F1B": "1f1b", "torch Interleaved1F1B": "interleaved-1f1b"}
 TORCH_SCHEDULES = {  # row name -> (class name in torch.distributed.pipelining, chunks per rank)
     "torch GPipe": ("ScheduleGPipe", 1),
     "torch 1F1B": ("Schedule1F1B", 1),
@@ -62,8 +66,9 @@ BASELINE = "torch 1F1B"
 # The project's targets, against torch 1F1B in the same run.
 TARGET_COMPUTE_SPEED, TARGET_COMPUTE_MEMORY, TARGET_BEST_SPEED, TARGET_OVERHEAD_SPEED = 1.0, 0.85, 1.08, 1.25
 
-COLUMNS = ["schedule", "step_ms", "wall_ms", "eff", "ideal", "speed_vs_torch_1f1b", "mem0_GB", "mem1_GB",
-           "mem/torch_1f1b", "loss", "error"]
+def columns(ranks: int) -> list[str]:
+    return (["schedule", "step_ms", "wall_ms", "eff", "ideal", "bubble", "theory", "speed_vs_torch_1f1b"]
+            + [f"mem{rank}_GB" for rank in range(ranks)] + ["mem/torch_1f1b", "loss", "error"])
 
 
 @dataclass(frozen=True)
@@ -127,11 +132,11 @@ def build_chunk(layers: range, config: Config, device: torch.device, dtype: torc
     return nn.Sequential(*blocks).to(dtype)
 
 
-def chunk_layers(rank: int, chunks_per_rank: int) -> list[tuple[int, range]]:
-    """(stage index, layers) held by rank: stage s = rank + chunk * WORLD_SIZE, NUM_LAYERS / stages layers each."""
-    num_stages = WORLD_SIZE * chunks_per_rank
+def chunk_layers(rank: int, ranks: int, chunks_per_rank: int) -> list[tuple[int, range]]:
+    """(stage index, layers) held by rank: stage s = rank + chunk * ranks, NUM_LAYERS / stages layers each."""
+    num_stages = ranks * chunks_per_rank
     per_stage = NUM_LAYERS // num_stages
-    stages = [rank + chunk * WORLD_SIZE for chunk in range(chunks_per_rank)]
+    stages = [rank + chunk * ranks for chunk in range(chunks_per_rank)]
     return [(stage, range(stage * per_stage, (stage + 1) * per_stage)) for stage in stages]
 
 
@@ -161,7 +166,7 @@ class Rank:
         """Through the store, not the process group: still works after a schedule failed mid-step."""
         self._barriers += 1
         self.store.set(f"e2e/barrier/{self._barriers}/{self.rank}", "1")
-        self.store.wait([f"e2e/barrier/{self._barriers}/{1 - self.rank}"])
+        self.store.wait([f"e2e/barrier/{self._barriers}/{rank}" for rank in range(self.args.ranks) if rank != self.rank])
 
     def synchronize(self) -> None:
         if self.cuda:
@@ -225,13 +230,13 @@ class Rank:
         return samples, wall_ms
 
     def compute_ms(self, config: Config) -> float:
-        """One stage (this rank's 4 layers), forward + backward of one micro-batch, no pipeline: median ms."""
-        [(stage, layers)] = chunk_layers(self.rank, 1)
+        """One stage (this rank's layers), forward + backward of one micro-batch, no pipeline: median ms."""
+        [(stage, layers)] = chunk_layers(self.rank, self.args.ranks, 1)
         module = build_chunk(layers, config, self.device, self.dtype)
         inputs, target = self.batch(config)
         micro_inputs = inputs[: config.micro_batch_size].clone()
         micro_target = target[: config.micro_batch_size].clone()
-        last = stage == WORLD_SIZE - 1
+        last = stage == self.args.ranks - 1
         micro_inputs.requires_grad_(stage > 0)  # as in the pipeline: later stages send input grads back
         output_grad = torch.randn_like(micro_inputs)
 
@@ -258,13 +263,13 @@ class Rank:
         cuda_graphs = schedule.endswith(GRAPHS)
         schedule = schedule.removesuffix(GRAPHS)
         chunks = VIRTUAL if schedule.startswith("interleaved") else 1
-        held = chunk_layers(self.rank, chunks)
+        held = chunk_layers(self.rank, self.args.ranks, chunks)
         modules = [build_chunk(layers, config, self.device, self.dtype) for _, layers in held]
         stages = [stage for stage, _ in held]
         pipe = pipecomm.Pipeline(
             modules if chunks > 1 else modules[0],
             stage=stages if chunks > 1 else stages[0],
-            num_stages=WORLD_SIZE * chunks,
+            num_stages=self.args.ranks * chunks,
             loss_fn=loss_fn,
             micro_batches=config.micro_batches,
             schedule=schedule,
@@ -287,14 +292,14 @@ class Rank:
 
         class_name, chunks = TORCH_SCHEDULES[name]
         schedule_class = getattr(pipelining, class_name)
-        held = chunk_layers(self.rank, chunks)
+        held = chunk_layers(self.rank, self.args.ranks, chunks)
         modules = [build_chunk(layers, config, self.device, self.dtype) for _, layers in held]
-        stages = [pipelining.PipelineStage(module, stage, WORLD_SIZE * chunks, self.device)
+        stages = [pipelining.PipelineStage(module, stage, self.args.ranks * chunks, self.device)
                   for module, (stage, _) in zip(modules, held)]
         schedule = schedule_class(stages if chunks > 1 else stages[0], config.micro_batches, loss_fn=loss_fn)
         inputs, target = self.batch(config)
         first = any(stage == 0 for stage, _ in held)
-        last = any(stage == WORLD_SIZE * chunks - 1 for stage, _ in held)
+        last = any(stage == self.args.ranks * chunks - 1 for stage, _ in held)
         extra = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
 
         def step() -> torch.Tensor | None:
@@ -349,7 +354,7 @@ def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any]
         env["ranks"] = f"{world_size} processes, rank r on {'cuda:r' if me.cuda else 'cpu'}"
         env["process_group"] = dist.get_backend()
         if me.cuda:
-            env["card_1"] = torch.cuda.get_device_properties(1).name
+            env["cards"] = [torch.cuda.get_device_properties(i).name for i in range(world_size)]
             env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
             env["NCCL_NVLS_ENABLE"] = os.environ.get("NCCL_NVLS_ENABLE")
         if args.smoke:
@@ -389,19 +394,20 @@ class Collector:
 
 def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -> tuple[list[dict[str, Any]], dict]:
     config = CONFIGS[config_name] if not args.smoke else smoke_config(CONFIGS[config_name])
-    m, p = config.micro_batches, WORLD_SIZE
+    m, p = config.micro_batches, args.ranks
     per_rank_compute = [collected.compute.get((config_name, rank), {}).get("ms_per_micro_batch")
-                        for rank in range(WORLD_SIZE)]
+                        for rank in range(args.ranks)]
     known = [value for value in per_rank_compute if value is not None]
     compute_ms = max(known) * m if known else None  # the slower stage bounds the pipeline
-    summary = {"config": config_name, "shape": asdict(config), "ideal_1f1b": m / (m + p - 1),
+    summary = {"config": config_name, "shape": asdict(config), "ranks": p, "ideal_1f1b": m / (m + p - 1),
                "compute_ms_per_micro_batch": per_rank_compute, "stage_compute_ms": compute_ms}
     rows = []
     for schedule in args.schedule_list:
-        per_rank = [collected.schedules.get((config_name, schedule, rank)) for rank in range(WORLD_SIZE)]
+        per_rank = [collected.schedules.get((config_name, schedule, rank)) for rank in range(args.ranks)]
         errors = [f"rank {rank}: {r['error']}" for rank, r in enumerate(per_rank) if r and r.get("error")]
         missing = [rank for rank, r in enumerate(per_rank) if r is None]
-        row: dict[str, Any] = {"config": config_name, "schedule": schedule, "ideal": m / (m + p - 1)}
+        row: dict[str, Any] = {"config": config_name, "schedule": schedule, "ideal": m / (m + p - 1),
+                               "theory": theoretical_bubble(schedule, p, m)}
         if missing:
             errors.append(f"no result from rank {missing}")
         errors.sort(key=lambda text: "peer" in text)  # a rank's own failure first, its peer's echo of it after
@@ -415,6 +421,7 @@ def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -
             row["step_ms_per_rank"] = medians
             row["wall_ms"] = max(r["wall_ms"] for r in per_rank)
             row["eff"] = compute_ms / row["step_ms"] if compute_ms else None
+            row["bubble"] = 1 - row["eff"] if row["eff"] is not None else None
             for rank, r in enumerate(per_rank):
                 row[f"mem{rank}_GB"] = r.get("peak_gb")
             losses = [r.get("loss") for r in per_rank]
@@ -426,13 +433,22 @@ def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -
     for row in rows:
         if baseline is not None and "step_ms" in row:
             row["speed_vs_torch_1f1b"] = baseline["step_ms"] / row["step_ms"]
-            peaks, base_peaks = peak(row), peak(baseline)
+            peaks, base_peaks = peak(row, args.ranks), peak(baseline, args.ranks)
             row["mem/torch_1f1b"] = peaks / base_peaks if peaks is not None and base_peaks else None
     return rows, summary
 
 
-def peak(row: dict[str, Any]) -> float | None:
-    values = [row.get(f"mem{rank}_GB") for rank in range(WORLD_SIZE)]
+def theoretical_bubble(row_name: str, ranks: int, micro_batches: int) -> float | None:
+    """The schedule's bubble fraction simulated with F = 1, B = 2 (I = W = 1) and free transfers."""
+    name = SAME_SCHEDULE.get(row_name, row_name).removesuffix(GRAPHS)
+    if name not in PIPECOMM_SCHEDULES:
+        return None
+    virtual = VIRTUAL if name.startswith("interleaved") else 1
+    return simulate(make_schedule(name, ranks, micro_batches, virtual)).bubble_fraction
+
+
+def peak(row: dict[str, Any], ranks: int) -> float | None:
+    values = [row.get(f"mem{rank}_GB") for rank in range(ranks)]
     return max(values) if all(value is not None for value in values) else None
 
 
@@ -515,7 +531,8 @@ def plot(path: Path, rows: dict[str, list[dict[str, Any]]], summaries: dict[str,
     axes.set_ylabel("efficiency = stage compute / step time")
     axes.set_ylim(0, 1.05)
     axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    axes.set_title("2-stage GPT pipeline: pipecomm (solid) vs torch.distributed.pipelining (hatched)", fontsize=9)
+    ranks = next(iter(summaries.values()))["ranks"] if summaries else "?"
+    axes.set_title(f"{ranks}-rank GPT pipeline: pipecomm (solid) vs torch.distributed.pipelining (hatched)", fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
@@ -531,6 +548,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--configs", default="all", help="all, or a comma list of: " + ", ".join(CONFIGS))
     parser.add_argument("--schedules", default="all",
                         help="all, or a comma list of: " + ", ".join(PIPECOMM_SCHEDULES + list(TORCH_SCHEDULES)))
+    parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks, one GPU each (2, 4 or 8)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per schedule; the median is reported")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (after one connecting step)")
     parser.add_argument("--timeout", type=int, default=120, help="seconds for init, connect and any one wait")
@@ -565,15 +583,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the ranks
-    if not args.smoke and not (torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE):
-        raise SystemExit(f"needs {WORLD_SIZE} CUDA devices (or --smoke on CPU)")
+    if not args.smoke and not (torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks):
+        raise SystemExit(f"needs {args.ranks} CUDA devices (or --smoke on CPU)")
     started = time.monotonic()
     collected = Collector()
     failure = None
     outcomes: dict[int, Any] = {}
     config = {key: value for key, value in vars(args).items()}
     try:
-        outcomes = spawn_ranks(run_rank, WORLD_SIZE, (config,), deadline=args.deadline, timeout=args.timeout,
+        outcomes = spawn_ranks(run_rank, args.ranks, (config,), deadline=args.deadline, timeout=args.timeout,
                                on_report=collected)
     except RankFailure as error:
         failure = str(error)  # print what was measured before the failure, then the failure
@@ -583,9 +601,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         print("# SMOKE RUN on CPU: gloo, shm channels, fp32, toy sizes; numbers mean nothing")
     clock = "host clock" if args.smoke else "CUDA events"
-    print(f"# {NUM_LAYERS} GPT layers, {WORLD_SIZE} ranks; step_ms = median of {args.steps} steps after "
+    print(f"# {NUM_LAYERS} GPT layers, {args.ranks} ranks; step_ms = median of {args.steps} steps after "
           f"{args.warmup} warm-up ({clock}, slower rank); wall_ms = host time per step over the timed loop; "
           "eff = one stage's forward+backward of one micro-batch x micro_batches / step_ms; ideal = m/(m+p-1); "
+          "bubble = 1 - eff; theory = the schedule's simulated bubble (F=1, B=2, I=W=1, free transfers); "
           "speed_vs_torch_1f1b = torch 1F1B step_ms / step_ms; memN_GB = peak allocated on rank N (+ CUDA-graph pools)")
     all_rows: dict[str, list[dict[str, Any]]] = {}
     summaries: dict[str, dict] = {}
@@ -599,7 +618,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n## {name}: d={shape['hidden']} seq={shape['seq']} micro-batch {shape['micro_batch_size']} x "
               f"{shape['micro_batches']}; one stage's compute {fmt(compute)} ms per step "
               f"({fmt(compute / shape['micro_batches'] if compute else None)} ms per micro-batch)")
-        print_table(rows, COLUMNS)
+        print_table(rows, columns(args.ranks))
     goals = targets(all_rows)
     print()
     spread = loss_spread(all_rows)
