@@ -323,13 +323,25 @@ class IpcChannel {
     if (sender_) sender_->abandon();
   }
 
-  // Posts still held are for messages the peer never sent (every sent message was received), so
-  // their buffers go back to the allocator.
+  // Posts still held are normally for messages the peer never sent, and their buffers go back to
+  // the allocator. But when the peer sent a message this end never received (a step that failed
+  // half-way), its copy may be writing into one of them: those buffers are kept for the life of
+  // the process, as the memory of a dead peer's pending transfers is.
   void close() noexcept {
+    bool unreceived = false;
+    try {
+      unreceived = host_receiver_.try_recv().has_value();
+    } catch (...) {
+      unreceived = true;  // the ring is already in error: assume the worst
+    }
     host_sender_.close();
     host_receiver_.close();
     post_sender_.close();
     post_receiver_.close();
+    if (unreceived) {
+      static auto* kept = new std::vector<at::Tensor>();  // never freed, on purpose
+      for (PostedBuffer& posted : posts_) kept->push_back(std::move(posted.buffer));
+    }
     posts_.clear();
   }
 
