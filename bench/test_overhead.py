@@ -72,7 +72,28 @@ def serve(rank: int, world_size: int, store_port: int, report: Any, command_port
         start = time.perf_counter()
         dist.broadcast(scalar, src=world_size - 1)
         broadcast_samples.append(time.perf_counter() - start)
-    report({"ready": True,
+    # What the stage's own work costs in plain PyTorch: its forward (and loss, on the last stage) and
+    # backward for every micro-batch, as a gradient-accumulation loop without the pipeline.
+    module = pipes[SCHEDULES[0]].modules[rank]
+    micro_inputs = list(inputs.chunk(MICRO_BATCHES))
+    micro_targets = list(target.chunk(MICRO_BATCHES))
+    upstream = torch.ones(2, FEATURES)
+
+    def plain_step() -> None:
+        for x, y in zip(micro_inputs, micro_targets):
+            out = module(x.requires_grad_(rank > 0))
+            if rank == world_size - 1:
+                (loss_fn(out, y) / MICRO_BATCHES).backward()
+            else:
+                out.backward(upstream)
+        module.zero_grad(set_to_none=True)
+
+    plain_samples = []
+    for _ in range(300):
+        start = time.perf_counter()
+        plain_step()
+        plain_samples.append(time.perf_counter() - start)
+    report({"ready": True, "plain_us": statistics.median(plain_samples[50:]) * 1e6,
             "actions": {name: len(pipe.schedule.actions[rank]) for name, pipe in pipes.items()},
             "broadcast_us": statistics.median(broadcast_samples[10:]) * 1e6})
     number = 0
@@ -114,6 +135,7 @@ class Ranks:
         ready = self._collect(lambda payload: payload.get("ready"))
         self.actions = {name: [ready[rank]["actions"][name] for rank in range(WORLD_SIZE)] for name in SCHEDULES}
         self.broadcast_us = max(ready[rank]["broadcast_us"] for rank in range(WORLD_SIZE))
+        self.plain_us = [ready[rank]["plain_us"] for rank in range(WORLD_SIZE)]
 
     def _spawn(self) -> None:
         try:
@@ -178,6 +200,9 @@ def test_executor_overhead_per_action(benchmark: BenchmarkFixture, ranks: Ranks,
     actions = ranks.actions[schedule]
     step_us = [statistics.median(s for r in rounds for s in r[rank]["step_s"]) * 1e6 for rank in range(WORLD_SIZE)]
     per_action = [step_us[rank] / actions[rank] for rank in range(WORLD_SIZE)]
+    # pipecomm's own share: the step less the stage's plain-PyTorch forward/backward (the wait for the
+    # peer stays in: with trivial stages it is the peer's overhead and the transfer latency).
+    own = [(step_us[rank] - ranks.plain_us[rank]) / actions[rank] for rank in range(WORLD_SIZE)]
     kinds = sorted({kind for r in rounds for rank in range(WORLD_SIZE) for kind in r[rank]["kind_us"]})
     kind_us = {kind: max(statistics.median(r[rank]["kind_us"][kind] for r in rounds if kind in r[rank]["kind_us"])
                          for rank in range(WORLD_SIZE) if any(kind in r[rank]["kind_us"] for r in rounds))
@@ -189,6 +214,8 @@ def test_executor_overhead_per_action(benchmark: BenchmarkFixture, ranks: Ranks,
         "step_us_per_rank": [round(value, 1) for value in step_us],
         "us_per_action_per_rank": [round(value, 2) for value in per_action],
         "us_per_action": round(max(per_action), 2),
+        "plain_pytorch_step_us_per_rank": [round(value, 1) for value in ranks.plain_us],
+        "own_us_per_action": round(max(own), 2),
         "target_us_per_action": TARGET_US_PER_ACTION,
         "median_us_by_kind": {kind: round(value, 2) for kind, value in kind_us.items()},
         "loss_broadcast_us": round(ranks.broadcast_us, 1),
@@ -200,7 +227,9 @@ def test_executor_overhead_per_action(benchmark: BenchmarkFixture, ranks: Ranks,
         info["us_per_action_from_rounds"] = round(round_s * 1e6 / STEPS_PER_ROUND / max(actions), 2)
     benchmark.extra_info.update(info)
     print(f"\n[overhead] {schedule}: {info['us_per_action']:.1f} us per action (target <= {TARGET_US_PER_ACTION:g}); "
-          f"step {info['step_us_per_rank']} us over {actions} actions (rank 0, rank 1); from pytest-benchmark rounds "
+          f"step {info['step_us_per_rank']} us over {actions} actions (rank 0, rank 1), of which the stages' plain "
+          f"PyTorch forward/backward {info['plain_pytorch_step_us_per_rank']} us, leaving {info['own_us_per_action']:.1f} us "
+          "per action to pipecomm; from pytest-benchmark rounds "
           f"{info.get('us_per_action_from_rounds', 'n/a')} us (command {info['command_round_trip_us']} us per round); "
           f"loss broadcast {info['loss_broadcast_us']} us per step; "
           "median us by kind: " + ", ".join(f"{kind} {value:.1f}" for kind, value in kind_us.items()))
