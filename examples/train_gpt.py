@@ -116,6 +116,7 @@ def main() -> None:
         modules, stage=stages if virtual > 1 else stages[0], num_stages=num_stages, loss_fn=loss_fn,
         micro_batches=args.micro_batches, schedule=args.schedule, group=context.pipeline_group,
         data_group=context.data_group, device=context.device, cuda_graphs=args.cuda_graphs,
+        device_timing=context.device.type == "cuda",  # the bubble the GPUs saw, not the host's launch time
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     data = Data(args.data, args.seq, 256)

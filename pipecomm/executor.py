@@ -10,6 +10,7 @@ from torch import nn
 
 from pipecomm._ops import accumulate_
 from pipecomm.cuda_graphs import GraphedStage, in_flight_slots
+from pipecomm.device_timing import DeviceTimeline
 from pipecomm.schedule import Action, Schedule
 from pipecomm.split_backward import DeferredGrad, WeightGradStore, weight_grad
 from pipecomm.transport import Channel, ChannelError
@@ -129,6 +130,7 @@ class StageExecutor:
         on_stage_backward_done: Callable[[int], None] | None = None,
         weight_grad_store: WeightGradStore | None = None,
         cuda_graphs: bool = False,
+        device_timeline: DeviceTimeline | None = None,
     ):
         self.schedule = schedule
         self.rank = rank
@@ -139,6 +141,7 @@ class StageExecutor:
         self.last_stage = schedule.num_stages - 1
         self.on_stage_backward_done = on_stage_backward_done
         self.weight_grad_store = weight_grad_store
+        self.device_timeline = device_timeline
         # Built (and the schedule checked) here, before any communication; captured at the first forward.
         self.graphed = {
             stage: GraphedStage(module, sinks[stage].params, in_flight_slots(schedule, rank, stage), stage,
@@ -164,10 +167,20 @@ class StageExecutor:
             "SEND_F": self._send_forward, "RECV_F": self._recv_forward,
             "SEND_B": self._send_backward, "RECV_B": self._recv_backward,
         }
+        device = self.device_timeline
+        if device:
+            device.start_step()
         for action in self.schedule.actions[self.rank]:
             started = time.perf_counter()
+            timed = device is not None and action.is_compute
+            if timed:
+                device.mark()
             handlers[action.kind](action.stage, action.micro_batch)
+            if timed:
+                device.mark()
             self.timeline.append((started, time.perf_counter(), action))
+        if device:
+            device.end_step()
         return self._loss
 
     # -- compute -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecomm import microbatch, transport
+from pipecomm.device_timing import DeviceTimeline
 from pipecomm.executor import GradientSink, StageExecutor
 from pipecomm.grad_sync import DataParallelGrads, SharedParameters
 from pipecomm.schedule import SCHEDULES, Schedule, make_schedule, validate
@@ -36,7 +37,8 @@ class Pipeline:
     start from the lowest holder's value and have their gradients summed across the holders.
     ``cuda_graphs=True`` captures each stage's forward and backward as CUDA graphs at the first
     step and replays them, for small models bound by kernel launches; shapes must then stay fixed
-    (gpipe, 1f1b and interleaved-1f1b).
+    (gpipe, 1f1b and interleaved-1f1b). ``device_timing=True`` times compute actions with CUDA
+    events, so that ``bubble_fraction()`` reports the GPU's bubble.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class Pipeline:
         timeout: float = transport.DEFAULT_TIMEOUT,
         main_grad: bool = False,
         cuda_graphs: bool = False,
+        device_timing: bool = False,
     ):
         modules = list(module) if isinstance(module, (list, tuple)) else [module]
         stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
@@ -70,8 +73,9 @@ class Pipeline:
         self.micro_batches = micro_batches
         self.modules = dict(zip(stages, modules))
         self.device = torch.device(device) if device is not None else _module_device(modules)
-        if cuda_graphs and self.device.type != "cuda":
-            raise ValueError(f"Pipeline: cuda_graphs=True needs stages on a CUDA device, not {self.device}")
+        for flag, value in (("cuda_graphs", cuda_graphs), ("device_timing", device_timing)):
+            if value and self.device.type != "cuda":
+                raise ValueError(f"Pipeline: {flag}=True needs stages on a CUDA device, not {self.device}")
         self._sinks = {s: GradientSink(list(self.modules[s].parameters()), main_grad) for s in self.stages}
         self._data_parallel = (
             DataParallelGrads(self._sinks, data_group)
@@ -85,6 +89,7 @@ class Pipeline:
             self.schedule, self.rank, self.modules, self._sinks, self._channels, loss_fn,
             on_stage_backward_done=self._data_parallel.start if self._data_parallel else None,
             weight_grad_store=store, cuda_graphs=cuda_graphs,
+            device_timeline=DeviceTimeline(self.device) if device_timing else None,
         )
         self._channels.update(self._connect(transport, timeout))
         self._undo_deferral = defer_linear_weight_grads(modules, store) if store else lambda: None
@@ -174,11 +179,14 @@ class Pipeline:
         return norm
 
     def bubble_fraction(self) -> float:
-        """This rank's idle share of the last step, from the host clock: compute actions over the step's span.
+        """This rank's idle share of the last step: 1 - time in compute actions / the step's span.
 
-        On GPUs the host runs ahead of the device, so this measures launch time there; on CPU
-        processes it is the real bubble.
+        With ``device_timing=True`` the times are the GPU's (CUDA events around each compute action;
+        reading them waits for the step to finish on the GPU). Otherwise they come from the host
+        clock, which on GPUs measures launch time, since the host runs ahead of the device.
         """
+        if self._executor.device_timeline:
+            return self._executor.device_timeline.bubble_fraction()
         timeline = self._executor.timeline
         if not timeline:
             return 0.0
