@@ -2,9 +2,9 @@
 
 Spawns --ranks p ranks (default 2; rank r on cuda:r, one NCCL process group). The model is a GPT
 block stack in bf16 (pre-norm causal self-attention through scaled_dot_product_attention, then a 4x
-MLP), 8 layers, split into p stages of 8/p layers (interleaved schedules: 2p chunks, rank r holds
-chunks r and r + p). The batch is micro_batch_size * micro_batches sequences; the loss is the MSE
-against a random target. Each layer is initialised from its own seed, so every schedule trains the
+MLP), --layers L (default 8), split into p stages of L/p layers (interleaved schedules: 2p
+chunks, rank r holds chunks r and r + p). The batch is micro_batch_size * micro_batches sequences;
+the loss is the MSE against a random target. Each layer is initialised from its own seed, so every schedule trains the
 same model on the same data (the loss column must agree across rows).
 
 Per config (d / seq / micro-batch size / micro-batches, the three of ../shared/GPU-BASELINES.md) and
@@ -48,7 +48,6 @@ from pipecomm.schedule import make_schedule, simulate
 
 from _common import RankFailure, environment, print_environment, print_table, spawn_ranks, start_rank, write_json
 
-NUM_LAYERS = 8
 VIRTUAL = 2  # chunks per rank for the interleaved schedules
 
 GRAPHS = "+graphs"  # suffix: the same schedule with Pipeline(cuda_graphs=True)
@@ -132,10 +131,10 @@ def build_chunk(layers: range, config: Config, device: torch.device, dtype: torc
     return nn.Sequential(*blocks).to(dtype)
 
 
-def chunk_layers(rank: int, ranks: int, chunks_per_rank: int) -> list[tuple[int, range]]:
-    """(stage index, layers) held by rank: stage s = rank + chunk * ranks, NUM_LAYERS / stages layers each."""
+def chunk_layers(rank: int, ranks: int, chunks_per_rank: int, layers: int) -> list[tuple[int, range]]:
+    """(stage index, layers) held by rank: stage s = rank + chunk * ranks, layers / stages layers each."""
     num_stages = ranks * chunks_per_rank
-    per_stage = NUM_LAYERS // num_stages
+    per_stage = layers // num_stages
     stages = [rank + chunk * ranks for chunk in range(chunks_per_rank)]
     return [(stage, range(stage * per_stage, (stage + 1) * per_stage)) for stage in stages]
 
@@ -231,7 +230,7 @@ class Rank:
 
     def compute_ms(self, config: Config) -> float:
         """One stage (this rank's layers), forward + backward of one micro-batch, no pipeline: median ms."""
-        [(stage, layers)] = chunk_layers(self.rank, self.args.ranks, 1)
+        [(stage, layers)] = chunk_layers(self.rank, self.args.ranks, 1, self.args.layers)
         module = build_chunk(layers, config, self.device, self.dtype)
         inputs, target = self.batch(config)
         micro_inputs = inputs[: config.micro_batch_size].clone()
@@ -263,7 +262,7 @@ class Rank:
         cuda_graphs = schedule.endswith(GRAPHS)
         schedule = schedule.removesuffix(GRAPHS)
         chunks = VIRTUAL if schedule.startswith("interleaved") else 1
-        held = chunk_layers(self.rank, self.args.ranks, chunks)
+        held = chunk_layers(self.rank, self.args.ranks, chunks, self.args.layers)
         modules = [build_chunk(layers, config, self.device, self.dtype) for _, layers in held]
         stages = [stage for stage, _ in held]
         pipe = pipecomm.Pipeline(
@@ -292,7 +291,7 @@ class Rank:
 
         class_name, chunks = TORCH_SCHEDULES[name]
         schedule_class = getattr(pipelining, class_name)
-        held = chunk_layers(self.rank, self.args.ranks, chunks)
+        held = chunk_layers(self.rank, self.args.ranks, chunks, self.args.layers)
         modules = [build_chunk(layers, config, self.device, self.dtype) for _, layers in held]
         stages = [pipelining.PipelineStage(module, stage, self.args.ranks * chunks, self.device)
                   for module, (stage, _) in zip(modules, held)]
@@ -549,6 +548,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedules", default="all",
                         help="all, or a comma list of: " + ", ".join(PIPECOMM_SCHEDULES + list(TORCH_SCHEDULES)))
     parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks, one GPU each (2, 4 or 8)")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="GPT layers; divisible by 2 x ranks (the interleaved schedules' stage count)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per schedule; the median is reported")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (after one connecting step)")
     parser.add_argument("--timeout", type=int, default=120, help="seconds for init, connect and any one wait")
@@ -575,6 +576,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.schedule_list:
         if name not in known:
             parser.error(f"unknown schedule {name!r}; known: {', '.join(known)}")
+    if args.ranks < 2 or args.layers % (VIRTUAL * args.ranks):
+        parser.error(f"--ranks must be >= 2 and --layers a multiple of {VIRTUAL} x ranks = {VIRTUAL * args.ranks}")
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1, --warmup >= 0")
     return args
@@ -601,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         print("# SMOKE RUN on CPU: gloo, shm channels, fp32, toy sizes; numbers mean nothing")
     clock = "host clock" if args.smoke else "CUDA events"
-    print(f"# {NUM_LAYERS} GPT layers, {args.ranks} ranks; step_ms = median of {args.steps} steps after "
+    print(f"# {args.layers} GPT layers, {args.ranks} ranks; step_ms = median of {args.steps} steps after "
           f"{args.warmup} warm-up ({clock}, slower rank); wall_ms = host time per step over the timed loop; "
           "eff = one stage's forward+backward of one micro-batch x micro_batches / step_ms; ideal = m/(m+p-1); "
           "bubble = 1 - eff; theory = the schedule's simulated bubble (F=1, B=2, I=W=1, free transfers); "
