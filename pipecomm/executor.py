@@ -82,10 +82,10 @@ class GradientSink:
             return param.main_grad
         return param.grad
 
-    def add(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """Adds one micro-batch's gradients: one fused launch per dtype pair for all parameters."""
+    def add(self, grads: Sequence[torch.Tensor | None], params: Sequence[nn.Parameter] | None = None) -> None:
+        """Adds one micro-batch's gradients of ``params`` (default: all): one fused launch per dtype pair."""
         accumulators, sources = [], []
-        for param, grad in zip(self.params, grads):
+        for param, grad in zip(self.params if params is None else params, grads):
             if grad is None:
                 continue
             target = self.target(param)
@@ -104,7 +104,7 @@ class GradientSink:
         """Deferred Linear weight gradients; where the dtypes allow, the GEMM accumulates in place."""
         for param, x, grad_output in deferred:
             target = self.target(param)
-            if target is not None and target.dtype == x.dtype:
+            if target is not None and target.dtype == grad_output.dtype == x.dtype:
                 target.addmm_(grad_output.reshape(-1, grad_output.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
                 continue
             grad = weight_grad(grad_output, x)
@@ -159,6 +159,7 @@ class StageExecutor:
         self._grads_out: dict[tuple[int, int], tuple | None] = {}
         self._grads_in: dict[tuple[int, int], tuple] = {}
         self._deferred: dict[tuple[int, int], list[DeferredGrad]] = {}
+        self._deferred_weights: dict[tuple[int, int], set[int]] = {}
         self._loss: torch.Tensor | None = None
         self._backwards_done: dict[int, int] = dict.fromkeys(self.modules, 0)
         self.timeline = []
@@ -206,7 +207,14 @@ class StageExecutor:
             args = tuple(t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                          for t in args)
         self._stage_inputs[key] = args
-        output = self.modules[stage](*args)
+        store = self.weight_grad_store
+        if store:
+            store.recording = self._deferred_weights[key] = set()
+        try:
+            output = self.modules[stage](*args)
+        finally:
+            if store:
+                store.recording = None
         if last:
             loss = self._scaled_loss(output, *self._targets[micro_batch])
             self._outputs[key] = (loss,)
@@ -241,27 +249,32 @@ class StageExecutor:
 
     def _backward_input(self, stage: int, micro_batch: int) -> None:
         """Input grads and the cheap parameter grads now (the critical path); Linear weight grads wait for W."""
+        key = (stage, micro_batch)
+        deferred_weights = self._deferred_weights.pop(key)
+        # Not asking for the deferred weights is what makes autograd skip their GEMMs.
+        params = [p for p in self.sinks[stage].params if id(p) not in deferred_weights]
         deferred: list[DeferredGrad] = []
         self.weight_grad_store.collecting = deferred
         try:
-            self._run_stage_backward(stage, micro_batch)
+            self._run_stage_backward(stage, micro_batch, params)
         finally:
             self.weight_grad_store.collecting = None
-        self._deferred[(stage, micro_batch)] = deferred
+        self._deferred[key] = deferred
 
     def _backward_weight(self, stage: int, micro_batch: int) -> None:
         self.sinks[stage].add_weight_grads(self._deferred.pop((stage, micro_batch)))
         self._count_backward(stage)
 
-    def _run_stage_backward(self, stage: int, micro_batch: int) -> None:
+    def _run_stage_backward(self, stage: int, micro_batch: int, params: list[nn.Parameter] | None = None) -> None:
+        """Backward of a micro-batch towards the stage's inputs and ``params`` (default: all its parameters)."""
         key = (stage, micro_batch)
         outputs, grads = self._outputs.pop(key), self._grads_out.pop(key)
         inputs = self._stage_inputs.pop(key)
         wanted = self._grad_inputs(inputs)
-        params = self.sinks[stage].params
+        params = self.sinks[stage].params if params is None else params
         results = _run_backward(outputs, grads, wanted + params, keep_graph=False)
         self._store_input_grads(key, inputs, results[: len(wanted)])
-        self.sinks[stage].add(results[len(wanted) :])
+        self.sinks[stage].add(results[len(wanted) :], params)
 
     def _count_backward(self, stage: int) -> None:
         """Tells the data-parallel reducer when a stage's gradients are final for this step."""
