@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models import MaskedBlock
 from ranks import run_ranks
 
 from pipecomm.partition import StageModule, merge_checkpoints, split
@@ -55,17 +56,6 @@ class Embed(nn.Module):
         return self.embedding(tokens), tokens != 0
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
-        self.down = nn.Linear(2 * HIDDEN, HIDDEN)
-
-    def forward(self, x, mask):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x)))) * mask.unsqueeze(-1), mask
-
-
 class MaskedNorm(nn.Module):
     def __init__(self):
         super().__init__()
@@ -81,7 +71,7 @@ class TinyLM(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = Embed()
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.blocks = nn.ModuleList(MaskedBlock(HIDDEN) for _ in range(4))
         self.norm = MaskedNorm()
         self.act = nn.Tanh()
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models import MaskedBlock
 from ranks import needs_cuda, rank_device, run_ranks
 
 import pipecomm
@@ -17,20 +18,6 @@ import pipecomm
 HIDDEN = 16
 BATCH = 8
 SEQ = 5
-
-
-class Block(nn.Module):
-    """A transformer-like residual MLP block that also carries a bool mask across the stage boundary."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
-        self.down = nn.Linear(2 * HIDDEN, HIDDEN)
-
-    def forward(self, x, mask):
-        update = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-        return x + update * mask.unsqueeze(-1), mask
 
 
 class Head(nn.Module):
@@ -41,7 +28,7 @@ class Head(nn.Module):
 class Stage(nn.Module):
     def __init__(self, last: bool):
         super().__init__()
-        self.block = Block()
+        self.block = MaskedBlock(HIDDEN)
         self.head = Head() if last else None
 
     def forward(self, x, mask):
