@@ -67,7 +67,7 @@ TARGET_COMPUTE_SPEED, TARGET_COMPUTE_MEMORY, TARGET_BEST_SPEED, TARGET_OVERHEAD_
 
 def columns(ranks: int) -> list[str]:
     return (["schedule", "step_ms", "wall_ms", "eff", "ideal", "bubble", "theory", "speed_vs_torch_1f1b"]
-            + [f"mem{rank}_GB" for rank in range(ranks)] + ["mem/torch_1f1b", "loss", "error"])
+            + [f"mem{rank}_GB" for rank in range(ranks)] + ["mem/torch_1f1b", "rank_bubble", "loss", "error"])
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,7 @@ class Rank:
         self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self._barriers = 0
+        self.pipe: Any = None  # the pipecomm schedule being timed, for --trace
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -228,8 +229,9 @@ class Rank:
         wall_ms = (time.perf_counter() - wall_start) * 1e3 / steps
         return samples, wall_ms
 
-    def compute_ms(self, config: Config) -> float:
-        """One stage (this rank's layers), forward + backward of one micro-batch, no pipeline: median ms."""
+    def compute_ms(self, config: Config) -> tuple[float, dict[str, float] | None]:
+        """One stage (this rank's layers), forward + backward of one micro-batch, no pipeline: median ms, and
+        the stage's 1F1B memory floor."""
         [(stage, layers)] = chunk_layers(self.rank, self.args.ranks, 1, self.args.layers)
         module = build_chunk(layers, config, self.device, self.dtype)
         inputs, target = self.batch(config)
@@ -250,9 +252,35 @@ class Rank:
         warmup, iters = (self.args.warmup + 2, max(self.args.steps, 10)) if self.cuda else (1, 3)
         forward_backward()
         samples, _ = self.time_steps(forward_backward, warmup, iters)
+        memory = self.stage_memory(module, micro_inputs, forward_backward, in_flight=min(self.args.ranks - stage,
+                                                                                          config.micro_batches))
         del module
         self.release()
-        return statistics.median(samples)
+        return statistics.median(samples), memory
+
+    def stage_memory(self, module: nn.Module, micro_inputs: torch.Tensor, forward_backward: Callable[[], None],
+                     in_flight: int) -> dict[str, float] | None:
+        """What 1F1B cannot go below on this rank, measured on the stage alone (its gradients already exist).
+
+        base = weights + gradients + the batch; saved = what one micro-batch's forward leaves for its
+        backward; transient = how far one backward rises above that. 1F1B holds in_flight micro-batches
+        (p - rank) at its peak, so floor = base + in_flight * saved + transient.
+        """
+        if not self.cuda:
+            return None
+        gb = 1e-9
+        self.synchronize()
+        base = torch.cuda.memory_allocated(self.device)
+        output = module(micro_inputs)
+        saved = torch.cuda.memory_allocated(self.device) - base
+        del output
+        self.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        forward_backward()
+        self.synchronize()
+        transient = torch.cuda.max_memory_allocated(self.device) - base - saved
+        return {"base_gb": base * gb, "saved_gb": saved * gb, "transient_gb": transient * gb, "in_flight": in_flight,
+                "floor_1f1b_gb": (base + in_flight * saved + transient) * gb}
 
     # -- schedules -----------------------------------------------------------------------------
 
@@ -275,7 +303,9 @@ class Rank:
             device=self.device,
             timeout=float(self.args.timeout),
             cuda_graphs=cuda_graphs,
+            device_timing=bool(self.args.trace) and self.cuda,
         )
+        self.pipe = pipe
         inputs, target = self.batch(config)
 
         def step() -> torch.Tensor:
@@ -317,6 +347,7 @@ class Rank:
 
     def run_schedule(self, config: Config, name: str) -> dict[str, Any]:
         result: dict[str, Any] = {"config": config.name, "schedule": name, "rank": self.rank}
+        self.pipe = None
         self.release()
         close: Callable[[], None] = lambda: None  # noqa: E731
         try:
@@ -329,6 +360,10 @@ class Rank:
             self.synchronize()
             samples, wall_ms = self.time_steps(step, self.args.warmup, self.args.steps)
             result.update(step_ms=samples, wall_ms=wall_ms, peak_gb=self.peak_gb())
+            if self.args.trace and self.pipe is not None:
+                # The last timed step, at the GPU's times (device_timing) when on GPUs.
+                self.pipe.trace(str(Path(self.args.trace) / f"{config.name}-{name}.json"))
+                result["rank_bubble"] = self.pipe.bubble_fraction()
         except Exception as error:
             message = f"{type(error).__name__}: {error}".splitlines()[0][:160]
             result["error"] = message
@@ -337,7 +372,7 @@ class Rank:
         finally:
             with contextlib.suppress(Exception):
                 close()
-            step = close = None  # type: ignore[assignment]
+            step = close = self.pipe = None  # type: ignore[assignment]
             self.release()
         self.barrier()
         return result
@@ -363,9 +398,9 @@ def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any]
         config = CONFIGS[name] if not args.smoke else smoke_config(CONFIGS[name])
         me.log(f"{name}: d={config.hidden} seq={config.seq} micro-batch {config.micro_batch_size} x "
                f"{config.micro_batches}: one stage's compute")
-        compute = me.compute_ms(config)
+        compute, memory = me.compute_ms(config)
         report({"kind": "compute", "config": name, "rank": rank, "ms_per_micro_batch": compute,
-                "shape": asdict(config)})
+                "memory": memory, "shape": asdict(config)})
         me.barrier()
         for schedule in args.schedule_list:
             me.log(f"{name}: {schedule}")
@@ -398,8 +433,10 @@ def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -
                         for rank in range(args.ranks)]
     known = [value for value in per_rank_compute if value is not None]
     compute_ms = max(known) * m if known else None  # the slower stage bounds the pipeline
+    memory = [collected.compute.get((config_name, rank), {}).get("memory") for rank in range(args.ranks)]
     summary = {"config": config_name, "shape": asdict(config), "ranks": p, "ideal_1f1b": m / (m + p - 1),
-               "compute_ms_per_micro_batch": per_rank_compute, "stage_compute_ms": compute_ms}
+               "compute_ms_per_micro_batch": per_rank_compute, "stage_compute_ms": compute_ms,
+               "stage_memory": memory}
     rows = []
     for schedule in args.schedule_list:
         per_rank = [collected.schedules.get((config_name, schedule, rank)) for rank in range(args.ranks)]
@@ -423,6 +460,8 @@ def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -
             row["bubble"] = 1 - row["eff"] if row["eff"] is not None else None
             for rank, r in enumerate(per_rank):
                 row[f"mem{rank}_GB"] = r.get("peak_gb")
+            if all("rank_bubble" in r for r in per_rank):
+                row["rank_bubble"] = "/".join(f"{r['rank_bubble']:.3f}" for r in per_rank)
             losses = [r.get("loss") for r in per_rank]
             row["loss"] = losses[-1]  # the last stage is on the last rank in every layout
             row["loss_per_rank"] = losses
@@ -435,6 +474,21 @@ def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -
             peaks, base_peaks = peak(row, args.ranks), peak(baseline, args.ranks)
             row["mem/torch_1f1b"] = peaks / base_peaks if peaks is not None and base_peaks else None
     return rows, summary
+
+
+def memory_floor_line(summary: dict[str, Any], rows: list[dict[str, Any]], ranks: int) -> str | None:
+    """Each rank's measured 1F1B floor (Rank.stage_memory), and the largest against torch 1F1B's peak."""
+    memory = summary["stage_memory"]
+    if not all(memory):
+        return None
+    floors = [m["floor_1f1b_gb"] for m in memory]
+    baseline = next((r for r in rows if r["schedule"] == BASELINE and "step_ms" in r), None)
+    base_peak = peak(baseline, ranks) if baseline else None
+    parts = [f"rank {rank} {m['base_gb']:.2f} + {m['in_flight']} x {m['saved_gb']:.2f} + {m['transient_gb']:.2f} "
+             f"= {m['floor_1f1b_gb']:.2f}" for rank, m in enumerate(memory)]
+    ratio = f"; largest floor / torch 1F1B peak = {max(floors) / base_peak:.3f}" if base_peak else ""
+    return ("# 1F1B memory floor, GB (stage alone: weights + grads + batch, + in-flight micro-batches x saved "
+            "activations, + one backward's transient): " + ", ".join(parts) + ratio)
 
 
 def theoretical_bubble(row_name: str, ranks: int, micro_batches: int) -> float | None:
@@ -554,6 +608,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (after one connecting step)")
     parser.add_argument("--timeout", type=int, default=120, help="seconds for init, connect and any one wait")
     parser.add_argument("--deadline", type=float, default=420.0, help="seconds before the ranks are killed")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="pipecomm rows: time compute actions with CUDA events (Pipeline(device_timing=True)), "
+                             "write DIR/<config>-<schedule>.json Chrome traces of the last step and report each "
+                             "rank's GPU bubble (column rank_bubble)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny CPU run (gloo, shm channels, fp32, d=32, seq=16, micro-batch size 2) "
                              "to check the flow")
@@ -589,6 +647,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.smoke and not (torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks):
         raise SystemExit(f"needs {args.ranks} CUDA devices (or --smoke on CPU)")
     started = time.monotonic()
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
     collected = Collector()
     failure = None
     outcomes: dict[int, Any] = {}
@@ -622,6 +682,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{shape['micro_batches']}; one stage's compute {fmt(compute)} ms per step "
               f"({fmt(compute / shape['micro_batches'] if compute else None)} ms per micro-batch)")
         print_table(rows, columns(args.ranks))
+        floor = memory_floor_line(summary, rows, args.ranks)
+        if floor:
+            print(floor)
     goals = targets(all_rows)
     print()
     spread = loss_spread(all_rows)

@@ -50,7 +50,10 @@ from _common import (
 WORLD_SIZE = 2
 # ~10 ms of torch.cuda._sleep at ~2 GHz: the host queues a whole GEMM window behind it, so host
 # stalls (GIL, the transfer thread) cannot open gaps inside the window.
-SLEEP_CYCLES = 20_000_000
+# GPU cycles a GEMM window sleeps first (~50 ms at H100/H200 clocks): every GEMM is enqueued before the
+# GPU reaches the first, so the transfer thread's hold on the GIL cannot starve the GEMMs of launches.
+SLEEP_CYCLES = 100_000_000
+SLEEP_MS_BOUND = 80.0  # the sleep at the slowest clock these GPUs run
 # Targets the project has to show; printed with the measured ratios.
 TARGET_BW_FRACTION, TARGET_BW_MIN_BYTES = 0.95, 64 << 20
 TARGET_LATENCY_RATIO, TARGET_LATENCY_BYTES = 1 / 3, 4 << 10
@@ -387,49 +390,45 @@ def gemm_phase(ctx: RankContext, movers: dict[str, Mover]) -> dict[str, Any]:
     result: dict[str, Any] = {"n": n, "gemms": args.gemm_count, "tflops": {}, "covered": {},
                               "xfer_gbps": {}, "messages": {}}
 
-    def alone(name: str) -> list[float]:
-        samples = []
-        for _ in range(args.reps):
-            ctx.sync()
-            samples.append(tflops(window()))
-        result["tflops"][name] = samples
-        return samples
+    def alone() -> float:
+        ctx.sync()
+        return tflops(window())
 
-    alone_samples = alone("alone_before")
     # A window's length, the same number on both ranks: it sizes the transfer that must outlast it.
-    window_ms = ctx.all_reduce(flop / statistics.median(alone_samples) / 1e9 * args.gemm_count, "max")
+    window_ms = ctx.all_reduce(flop / statistics.median(alone() for _ in range(2)) / 1e9 * args.gemm_count, "max")
     payload = torch.randint(0, 256, (args.gemm_transfer_bytes,), dtype=torch.uint8, device=ctx.device)
-
+    counts = {}
     for name, mover in movers.items():
         calibration = streaming(ctx, mover, [payload], iters=4, reps=1)
         message_ms = ctx.all_reduce(calibration[0] if calibration else 0.0, "max")
-        # Twice the window plus the sleep and slack, at the unloaded rate: the transfer only slows under load.
-        count = min(max(math.ceil((2 * window_ms + 60.0) / max(message_ms, 1e-3)) + 2, 8), args.gemm_max_messages)
-        result["messages"][name] = count
-        samples, covered, xfer = [], [], []
-        for _ in range(args.reps):
+        # Twice the window plus the sleep, at the unloaded rate: the transfer only slows under load.
+        counts[name] = min(max(math.ceil((2 * window_ms + SLEEP_MS_BOUND) / max(message_ms, 1e-3)) + 2, 8),
+                           args.gemm_max_messages)
+    result["messages"] = counts
+    result["tflops"]["alone"] = []
+    # Alone and loaded windows alternate, so clock and power drift over the run hit both alike.
+    for _ in range(args.reps):
+        result["tflops"]["alone"].append(alone())
+        for name, mover in movers.items():
             ctx.sync()
-            thread = TransferThread(ctx, mover, payload, count)
+            thread = TransferThread(ctx, mover, payload, counts[name])
             thread.start()
             if not thread.started.wait(args.timeout):
                 raise TimeoutError(f"{name}: the transfer did not start within {args.timeout} s")
             marks = window()
             thread.join(args.timeout)
             if thread.is_alive():
-                raise TimeoutError(f"{name}: {count} transfers did not finish within {args.timeout} s")
+                raise TimeoutError(f"{name}: {counts[name]} transfers did not finish within {args.timeout} s")
             if thread.error:
                 raise RuntimeError(f"{name} transfer thread failed:\n{thread.error}")
-            samples.append(tflops(marks))
+            result["tflops"].setdefault(name, []).append(tflops(marks))
             # The transfer was running on this rank's GPU before the first GEMM and after the last.
-            covered.append(ctx.clock.ms(thread.first, marks[0][0]) >= 0
-                           and ctx.clock.ms(marks[-1][1], thread.last) >= 0)
+            result["covered"].setdefault(name, []).append(
+                ctx.clock.ms(thread.first, marks[0][0]) >= 0 and ctx.clock.ms(marks[-1][1], thread.last) >= 0)
             if ctx.rank == 1:
-                xfer.append(gb_per_s((count - 1) * payload.numel(), ctx.clock.ms(thread.first, thread.last)))
-        result["tflops"][name] = samples
-        result["covered"][name] = covered
-        result["xfer_gbps"][name] = xfer
-        ctx.sync()
-    alone("alone_after")
+                result["xfer_gbps"].setdefault(name, []).append(
+                    gb_per_s((counts[name] - 1) * payload.numel(), ctx.clock.ms(thread.first, thread.last)))
+            ctx.sync()
     return result
 
 
@@ -614,17 +613,20 @@ def gemm_rows(outcomes: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
         gemm = outcomes[rank].get("gemm")
         if not gemm:
             continue
-        tflops = {name: statistics.median(values) for name, values in gemm["tflops"].items() if values}
-        before, after = tflops["alone_before"], tflops["alone_after"]
-        alone = (before + after) / 2
+        samples = gemm["tflops"]
+        tflops = {name: statistics.median(values) for name, values in samples.items() if values}
+        alone = samples["alone"]
 
         def loss(name: str) -> float | None:
-            return (1 - tflops[name] / alone) * 100 if name in tflops else None
+            """Median over repetitions of the loss against the alone window just before."""
+            if name not in samples:
+                return None
+            return statistics.median((1 - loaded / base) * 100 for loaded, base in zip(samples[name], alone))
 
         xfer = {name: statistics.median(values) if values else None for name, values in gemm["xfer_gbps"].items()}
         rows.append({
             "rank": rank, "role": "sender" if rank == 0 else "receiver",
-            "alone_TF/s": alone, "drift%": (after / before - 1) * 100,
+            "alone_TF/s": tflops["alone"], "drift%": (alone[-1] / alone[0] - 1) * 100,
             "+pc_TF/s": tflops.get("pipecomm"), "pc_loss%": loss("pipecomm"),
             "+nccl_TF/s": tflops.get("nccl"), "nccl_loss%": loss("nccl"),
             "covered": "/".join("yes" if all(values) else "NO" for values in gemm["covered"].values()),
@@ -734,7 +736,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(tuples, TUPLE_COLUMNS)
     if gemm:
         print(f"# GEMM {gemm[0]['n']}^3 {'bf16' if not args.smoke else 'fp32'}, median of {args.gemm_count} per "
-              f"window; alone = mean before/after; during {args.gemm_transfer} messages rank 0 -> rank 1 ("
+              f"window; alone and loaded windows alternate, loss = median of each loaded window against the alone one before it; drift = last alone / first; during {args.gemm_transfer} messages rank 0 -> rank 1 ("
               + ", ".join(f"{name} {count}" for name, count in gemm[0]["messages"].items())
               + " per window); covered = the transfer ran through the whole window (" + "/".join(gemm[0]["messages"])
               + "); xfer GB/s on rank 1 during the GEMMs")

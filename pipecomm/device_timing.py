@@ -34,6 +34,13 @@ class DeviceTimeline:
     def end_step(self) -> None:
         self._step[1].record(torch.cuda.current_stream(self.device))
 
+    def spans(self) -> list[tuple[float, float]]:
+        """(start, end) in seconds from the step's start, per compute action of the last step, in order."""
+        self._step[1].synchronize()
+        origin = self._step[0]
+        return [(origin.elapsed_time(self._marks[i]) / 1e3, origin.elapsed_time(self._marks[i + 1]) / 1e3)
+                for i in range(0, self._used, 2)]
+
     def bubble_fraction(self) -> float:
         """The share of the last step's GPU time, from its start to its end, not spent in compute actions."""
         if self._used == 0:

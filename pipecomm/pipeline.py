@@ -197,9 +197,17 @@ class Pipeline:
     def trace(self, path: str) -> None:
         """Writes a Chrome trace (chrome://tracing, Perfetto) of the last step's actions on every rank.
 
-        Collective: every rank of the pipeline calls it; the first one writes the file.
+        Collective: every rank of the pipeline calls it; the first one writes the file. With
+        ``device_timing=True`` it shows the compute actions at the GPU's times, each rank's from the start of
+        its step on its GPU; transfers, timed only by the host, are left out.
         """
-        timeline = [(start, end, str(action), action.kind) for start, end, action in self._executor.timeline]
+        executor = self._executor
+        if executor.device_timeline:
+            spans = iter(executor.device_timeline.spans())
+            timeline = [(*next(spans), str(action), action.kind) for _, _, action in executor.timeline
+                        if action.is_compute]
+        else:
+            timeline = [(start, end, str(action), action.kind) for start, end, action in executor.timeline]
         gathered = [None] * self.num_ranks if self.rank == 0 else None
         if self.num_ranks > 1:
             dist.gather_object(timeline, gathered, dst=self._global_rank(0), group=self.group)
@@ -207,7 +215,7 @@ class Pipeline:
             gathered = [timeline]
         if self.rank != 0:
             return
-        origin = min((events[0][0] for events in gathered if events), default=0.0)
+        origin = 0.0 if executor.device_timeline else min((events[0][0] for events in gathered if events), default=0.0)
         trace_events = [
             {
                 "name": name,

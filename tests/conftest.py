@@ -1,28 +1,21 @@
-"""Shared pytest fixtures: a cpu/cuda `device` twin for every test and per-test RNG seeding."""
+"""Shared pytest fixtures: a cpu/cuda `device` twin for every test, per-test RNG seeding, the `cuda` mark."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import pipecomm
-
-_CUDA_USABLE = torch.cuda.is_available() and pipecomm.cuda_built()
+from ranks import NEEDS_CUDA_REASON, needs_cuda
 
 
-@pytest.fixture(
-    params=[
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(
-                not _CUDA_USABLE,
-                reason="needs a CUDA device and a pipecomm build with CUDA kernels",
-            ),
-        ),
-    ],
-    ids=["cpu", "cuda"],
-)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks every CUDA twin `cuda`, so a GPU machine runs exactly them with `pytest -m cuda`."""
+    for item in items:
+        if any(mark.name == "skipif" and mark.kwargs.get("reason") == NEEDS_CUDA_REASON for mark in item.iter_markers()):
+            item.add_marker(pytest.mark.cuda)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=needs_cuda)], ids=["cpu", "cuda"])
 def device(request: pytest.FixtureRequest) -> str:
     return request.param
 

@@ -86,9 +86,8 @@ def _collect_exits(processes, outcomes: dict, may_exit: frozenset) -> None:
 _exit_seen: dict = {}
 
 
-needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and pipecomm.cuda_built()), reason="needs a GPU and a CUDA build of pipecomm"
-)
+NEEDS_CUDA_REASON = "needs a GPU and a CUDA build of pipecomm"  # conftest marks these tests `cuda`
+needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and pipecomm.cuda_built()), reason=NEEDS_CUDA_REASON)
 
 
 def rank_device(rank: int, kind: str) -> torch.device:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -41,4 +42,19 @@ def test_the_bubble_comes_from_events_around_every_compute_action():
     time.sleep(0.05)
     timeline.end_step()
     assert timeline.bubble_fraction() > 0.5
+    pipe.close()
+
+
+@needs_cuda
+def test_trace_shows_compute_actions_at_gpu_times(tmp_path):
+    pipe = pipeline("cuda", device_timing=True)
+    x, y = torch.randn(16, 8, device="cuda"), torch.randn(16, 8, device="cuda")
+    pipe.step(x, target=y)
+    pipe.trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    compute = [str(action) for action in pipe.schedule.actions[0] if action.is_compute]
+    assert [event["name"] for event in events] == compute
+    ends = [event["ts"] + event["dur"] for event in events]
+    assert all(event["ts"] >= 0 and event["dur"] >= 0 for event in events)
+    assert all(later["ts"] >= end for later, end in zip(events[1:], ends))  # one stream: no overlap
     pipe.close()

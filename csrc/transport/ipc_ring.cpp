@@ -243,6 +243,27 @@ void check_next_seq(uint64_t seq, uint64_t expected, const std::string& prefix, 
   }
 }
 
+// The body of both send paths: one copy-engine copy per region into `destination` (a peer slot or a
+// posted buffer), then ready[slot] = round; the write's default flags put a memory barrier before it, so
+// the data is visible before the flag.
+template <typename Describe>
+void enqueue_payload(char* destination, const CopyRegion* regions, size_t count, const SlotPosition& position,
+                     cudaStream_t stream, const DriverApi& api, const std::string& prefix, const Describe& what) {
+  for (size_t i = 0; i < count; ++i) {
+    if (regions[i].bytes == 0) continue;
+    if (const cudaError_t error = cudaMemcpyAsync(destination + regions[i].slot_offset, regions[i].local,
+                                                  regions[i].bytes, cudaMemcpyDeviceToDevice, stream);
+        error != cudaSuccess) {
+      check_cuda(error, prefix, "cudaMemcpyAsync", what() + ", region " + std::to_string(i));
+    }
+  }
+  if (const CUresult result =
+          api.write_value32(stream, device_address(position.ready), position.round, CU_STREAM_WRITE_VALUE_DEFAULT);
+      result != CUDA_SUCCESS) {
+    check_driver(result, api, prefix, "cuStreamWriteValue32", "ready, " + what());
+  }
+}
+
 // Runs release() on `device` once everything queued there has finished, then restores the
 // caller's device; for destructors, so every error is swallowed.
 template <typename Release>
@@ -747,20 +768,8 @@ void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t
                    "ready of the slot's previous message, " + what());
     }
   }
-  for (size_t i = 0; i < count; ++i) {
-    if (regions[i].bytes == 0) continue;
-    if (const cudaError_t error = cudaMemcpyAsync(slot_data + regions[i].slot_offset, regions[i].local,
-                                                  regions[i].bytes, cudaMemcpyDeviceToDevice, stream);
-        error != cudaSuccess) {
-      check_cuda(error, error_prefix_, "cudaMemcpyAsync", "into the peer slot, " + what() + ", region " + std::to_string(i));
-    }
-  }
-  // The default flags put a memory barrier before the write: the data is visible before the flag.
-  if (const CUresult result =
-          api.write_value32(stream, device_address(position.ready), position.round, CU_STREAM_WRITE_VALUE_DEFAULT);
-      result != CUDA_SUCCESS) {
-    check_driver(result, api, error_prefix_, "cuStreamWriteValue32", "ready, " + what());
-  }
+  enqueue_payload(slot_data, regions, count, position, stream, api, error_prefix_,
+                  [&] { return "into the peer slot, " + what(); });
   history.slot_round = position.round;
   history.stream = stream;
   ++next_seq_;
@@ -804,20 +813,8 @@ bool IpcRingSender::enqueue_send_direct(uint64_t seq, uint64_t post, const cudaI
       check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "posted, " + what());
     }
   }
-  for (size_t i = 0; i < count; ++i) {
-    if (regions[i].bytes == 0) continue;
-    if (const cudaError_t error = cudaMemcpyAsync(buffer + regions[i].slot_offset, regions[i].local, regions[i].bytes,
-                                                  cudaMemcpyDeviceToDevice, stream);
-        error != cudaSuccess) {
-      check_cuda(error, error_prefix_, "cudaMemcpyAsync",
-                 "into the posted buffer, " + what() + ", region " + std::to_string(i));
-    }
-  }
-  if (const CUresult result =
-          api.write_value32(stream, device_address(position.ready), position.round, CU_STREAM_WRITE_VALUE_DEFAULT);
-      result != CUDA_SUCCESS) {
-    check_driver(result, api, error_prefix_, "cuStreamWriteValue32", "ready, " + what());
-  }
+  enqueue_payload(buffer, regions, count, position, stream, api, error_prefix_,
+                  [&] { return "into the posted buffer, " + what(); });
   history.stream = stream;
   ++next_seq_;
   return true;
