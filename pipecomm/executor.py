@@ -102,18 +102,16 @@ class GradientSink:
     @torch.no_grad()  # the saved inputs carry autograd history, which .grad must not record
     def add_weight_grads(self, deferred: Sequence[DeferredGrad]) -> None:
         """Deferred Linear weight gradients; where the dtypes allow, the GEMM accumulates in place."""
+        params, grads = [], []
         for param, x, grad_output in deferred:
             target = self.target(param)
             if target is not None and target.dtype == grad_output.dtype == x.dtype:
                 target.addmm_(grad_output.reshape(-1, grad_output.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
-                continue
-            grad = weight_grad(grad_output, x)
-            if target is None:
-                param.grad = grad.to(param.dtype)
-            elif (target.dtype, grad.dtype) in _NATIVE_PAIRS:
-                accumulate_([target], [grad])
             else:
-                target.add_(grad)
+                # In the parameter's dtype, as autograd hands gradients back (under autocast, too).
+                params.append(param)
+                grads.append(weight_grad(grad_output, x).to(param.dtype))
+        self.add(grads, params)
 
 
 class StageExecutor:

@@ -63,6 +63,25 @@ def test_zb_h1_steps_equal_the_full_backward_and_defer_the_linear_weight_gemms(m
     assert not stage.second._forward_hooks, "close removes the hooks"
 
 
+def test_zb_h1_accumulates_bf16_weight_grads_into_fp32_main_grads_as_1f1b_does():
+    # W's GEMM cannot accumulate in place here (bf16 operands, fp32 main_grad): it goes through the sink.
+    torch.manual_seed(0)
+    base = Stage().to(torch.bfloat16)
+    x, target = torch.randn(4, 3, 8, dtype=torch.bfloat16), torch.randn(4, 3, 8, dtype=torch.bfloat16)
+    main_grads = {}
+    for schedule in ("1f1b", "zb-h1"):
+        stage = copy.deepcopy(base)
+        pipe = pipecomm.Pipeline(stage, stage=0, num_stages=1, loss_fn=torch.nn.functional.mse_loss,
+                                 micro_batches=2, schedule=schedule, main_grad=True)
+        pipe.step(x, target=target)
+        pipe.close()
+        assert all(param.grad is None and param.main_grad.dtype == torch.float32 for param in stage.parameters())
+        main_grads[schedule] = {name: param.main_grad for name, param in stage.named_parameters()}
+    for name, expected in main_grads["1f1b"].items():
+        assert name == "unused" or expected.abs().sum() > 0, name
+        torch.testing.assert_close(main_grads["zb-h1"][name], expected, rtol=1e-2, atol=1e-3, msg=name)
+
+
 def test_outside_a_pipeline_step_the_hooked_layers_behave_as_usual():
     torch.manual_seed(0)
     stage = Stage()
