@@ -342,10 +342,9 @@ def _check_structure(schedule: Schedule) -> None:
         if not 0 <= peer_stage <= last_stage:
             raise ValueError(f"{action} on rank {rank}: stage {action.stage} has no neighbour stage {peer_stage}")
 
-    for action in positions:
+    for action, (rank, index) in positions.items():
         for prerequisite in _local_prerequisites(action):
-            if prerequisite in positions and positions[prerequisite][1] > positions[action][1]:
-                rank, index = positions[action]
+            if prerequisite in positions and positions[prerequisite][1] > index:
                 raise ValueError(
                     f"rank {rank} runs {action} (position {index}) before {prerequisite} "
                     f"(position {positions[prerequisite][1]}), which it depends on"
