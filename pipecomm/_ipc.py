@@ -51,6 +51,12 @@ class IpcChannel(Channel):
             return super().recv(out)
         return self._recv()
 
+    def _shrink(self, slot_bytes):
+        raise NotImplementedError(
+            f"{self._describe_direction('receive')}: shrink: the ipc backend keeps the device slots it grew until "
+            "close(); messages of a repeating layout go to posted buffers, not slots"
+        )
+
     @property
     def direct_messages(self) -> tuple[int, int]:
         """How many messages went straight into posted buffers: (sent, received)."""

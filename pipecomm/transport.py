@@ -84,16 +84,32 @@ def connect(
     if backend == "shm" and device.type != "cpu":
         raise ValueError(f"connect: backend 'shm' carries CPU tensors, not {device}")
     if backend == "dist":
-        return DistChannel(rank, peer_rank, device, timeout, group)
+        channel: Channel = DistChannel(rank, peer_rank, device, timeout, group)
+    elif backend == "shm":
+        channel = _connect_shm(store, rank, peer_rank, device, timeout, num_slots, slot_bytes)
+    else:
+        channel = _connect_ipc(store, rank, peer_rank, device, timeout, num_slots, slot_bytes)
+    channel.initial_slot_bytes = slot_bytes
+    return channel
+
+
+def _segment_names(store: _Rendezvous, rank: int, peer_rank: int) -> tuple[str, str]:
+    """The incoming and outgoing rings' shared-memory names, unique to this pair and connection."""
     token = store.token()
-    names = (f"/pipecomm.{token}.{peer_rank}to{rank}", f"/pipecomm.{token}.{rank}to{peer_rank}")
-    if backend == "shm":
-        native = _C.ShmChannel(*names, rank, peer_rank, num_slots, slot_bytes, timeout)
-        native.connect()
-        return ShmChannel(rank, peer_rank, device, timeout, native)
+    return f"/pipecomm.{token}.{peer_rank}to{rank}", f"/pipecomm.{token}.{rank}to{peer_rank}"
+
+
+def _connect_shm(store, rank, peer_rank, device, timeout, num_slots, slot_bytes) -> Channel:
+    native = _C.ShmChannel(*_segment_names(store, rank, peer_rank), rank, peer_rank, num_slots, slot_bytes, timeout)
+    native.connect()
+    return ShmChannel(rank, peer_rank, device, timeout, native)
+
+
+def _connect_ipc(store, rank, peer_rank, device, timeout, num_slots, slot_bytes) -> Channel:
     from pipecomm._ipc import IpcChannel
 
-    native = _C.IpcChannel(*names, rank, peer_rank, device.index, num_slots, slot_bytes, timeout)
+    native = _C.IpcChannel(*_segment_names(store, rank, peer_rank), rank, peer_rank, device.index, num_slots,
+                           slot_bytes, timeout)
     store.set("ipc", native.handles())
     native.connect(store.get_peer("ipc"))
     return IpcChannel(rank, peer_rank, device, timeout, native, store)
@@ -119,6 +135,7 @@ class Channel:
     """Both directions between this rank and one peer. Messages arrive in the order they were sent."""
 
     backend: str
+    initial_slot_bytes: int = 1 << 20  # what connect() was given; shrink()'s default
 
     def __init__(self, rank: int, peer_rank: int, device: torch.device, timeout: float):
         self.rank = rank
@@ -158,6 +175,18 @@ class Channel:
     def send_recv_async(self, tensors: Sequence[torch.Tensor | None]) -> Handle:
         self.send(tensors)
         return self.recv_async()
+
+    def shrink(self, slot_bytes: int | None = None) -> bool:
+        """Gives back the memory this end's incoming slots grew to for large messages.
+
+        The slots become ``slot_bytes`` (default: the size ``connect`` was given) if that is smaller
+        and no message to this end is in flight; later large messages grow them again. Returns
+        whether they shrank.
+        """
+        self._check_open("shrink")
+        if slot_bytes is not None and slot_bytes < 1:
+            raise ValueError(f"{self._describe_direction('receive')}: shrink: slot_bytes must be positive, got {slot_bytes}")
+        return self._shrink(self.initial_slot_bytes if slot_bytes is None else slot_bytes)
 
     def close(self) -> None:
         if not self._closed:
@@ -201,6 +230,9 @@ class Channel:
     def _close(self) -> None:
         raise NotImplementedError
 
+    def _shrink(self, slot_bytes: int) -> bool:
+        raise NotImplementedError
+
 
 class ShmChannel(Channel):
     """CPU tensors between processes of one host, through shared-memory rings; each message is one native call."""
@@ -215,6 +247,9 @@ class ShmChannel(Channel):
 
     def _close(self):
         self._native.close()
+
+    def _shrink(self, slot_bytes):
+        return self._native.shrink(slot_bytes)
 
 
 class DistChannel(Channel):
@@ -309,6 +344,9 @@ class DistChannel(Channel):
             raise ChannelTimeoutError(
                 f"{self._describe_direction(direction)}: {what} failed or timed out after {self.timeout:g} s: {error}"
             ) from error
+
+    def _shrink(self, slot_bytes):
+        return False  # no slots: every message's buffers are allocated for it
 
     def _close(self):
         self._wait_sends()

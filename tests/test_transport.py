@@ -160,6 +160,54 @@ def test_stress_random_sizes_and_delays(tmp_path, backend, kind, count):
     assert run_ranks(2, stress, tmp_path, backend, kind, count, 3 << 20, timeout=120) == [0, 0]
 
 
+def shrink_after_large_messages(rank: int, world_size: int, backend: str, kind: str) -> list:
+    device = rank_device(rank, kind)
+    big = torch.arange(1 << 18, dtype=torch.float32, device=device)  # 1 MB: grows rank 1's 4 KB slots
+    small = torch.ones(8, device=device)
+    store = dist.distributed_c10d._get_default_store()
+    results = []
+    with transport.connect(1 - rank, backend=backend, device=device, timeout=30, slot_bytes=4096) as channel:
+        if backend == "ipc":
+            with pytest.raises(NotImplementedError, match="keeps the device slots"):
+                channel.shrink()
+            return results if rank == 0 else ["ipc"]
+        if rank == 0:
+            channel.send([big])
+            channel.recv()  # rank 1 has shrunk its slots
+            channel.send([small])
+            store.set("sent", "1")
+            channel.recv()
+            channel.send([big * 2])  # the slots grow again, inside rank 1's recv
+            channel.recv()
+            return results
+        assert torch.equal(channel.recv()[0], big)
+        results.append(channel.shrink())  # nothing in flight
+        results.append(channel.shrink())  # already at the size connect() was given
+        channel.send([small])
+        store.wait(["sent"])
+        results.append(channel.shrink())  # a message is waiting in the ring
+        assert torch.equal(channel.recv()[0], small)
+        channel.send([small])
+        assert torch.equal(channel.recv()[0], big * 2)
+        results.append(channel.shrink(8192))
+        with pytest.raises(ValueError, match="slot_bytes must be positive"):
+            channel.shrink(0)
+        channel.send([small])
+        return results
+
+
+@pytest.mark.parametrize(
+    ("backend", "kind", "expected"),
+    [
+        ("shm", "cpu", [True, False, False, True]),
+        ("dist", "cpu", [False, False, False, False]),  # no slots to give back
+        pytest.param("ipc", "cuda", ["ipc"], marks=needs_cuda),
+    ],
+)
+def test_shrink_gives_back_grown_slots_only_when_nothing_is_in_flight(tmp_path, backend, kind, expected):
+    assert run_ranks(2, shrink_after_large_messages, tmp_path, backend, kind, timeout=60) == [[], expected]
+
+
 def timeout_then_close(rank: int, world_size: int, backend: str, kind: str) -> str:
     with transport.connect(1 - rank, backend=backend, device=rank_device(rank, kind), timeout=0.5) as channel:
         if rank == 1:
