@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -14,9 +15,11 @@ from torch import nn
 from pipecomm import microbatch, transport
 from pipecomm.device_timing import DeviceTimeline
 from pipecomm.executor import GradientSink, StageExecutor
+from pipecomm.failure import StepFailures, describe
 from pipecomm.grad_sync import DataParallelGrads, SharedParameters
 from pipecomm.schedule import SCHEDULES, Schedule, make_schedule, validate
 from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
+from pipecomm.transport import ChannelError
 
 __all__ = ["Pipeline"]
 
@@ -101,13 +104,20 @@ class Pipeline:
         )
         if self._shared:
             self._shared.synchronize_values()
+        self._failures = StepFailures([self._global_rank(rank) for rank in range(self.num_ranks)])
+        self._failed: str | None = None
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for stage in self.stages:
             yield from self.modules[stage].parameters()
 
     def step(self, *inputs, target=None) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns the mean micro-batch loss on every rank."""
+        """Forward and backward of every micro-batch; returns the mean micro-batch loss on every rank.
+
+        If it fails on one rank, that rank closes its channels, so that its peers fail at once instead of
+        waiting out their timeouts, and their errors name it and its error. The Pipeline is then closed.
+        """
+        self._check_usable("step")
         split_inputs = split_targets = None
         if 0 in self.stages:
             if not inputs:
@@ -118,25 +128,32 @@ class Pipeline:
                 raise ValueError("step: the last stage needs target=")
             targets = target if isinstance(target, tuple) else (target,)
             split_targets = microbatch.split(targets, self.micro_batches, "target", self.device)
-        loss = self._executor.run(split_inputs, split_targets)
-        if self._data_parallel:
-            self._data_parallel.finish()
-        if self._shared:
-            self._shared.reduce_grads(self._sink_of)
-        if self.num_ranks == 1:
-            return loss
-        wire = self._wire_device()
-        result = loss.float().to(wire) if loss is not None else torch.zeros((), dtype=torch.float32, device=wire)
-        dist.broadcast(result, src=self._global_rank(self._last_rank), group=self.group)
-        return result.to(self.device)
+        with self._failing_fast():
+            loss = self._executor.run(split_inputs, split_targets)
+            if self._data_parallel:
+                self._data_parallel.finish()
+            if self._shared:
+                self._shared.reduce_grads(self._sink_of)
+            if self.num_ranks == 1:
+                return loss
+            wire = self._wire_device()
+            result = loss.float().to(wire) if loss is not None else torch.zeros((), dtype=torch.float32, device=wire)
+            dist.broadcast(result, src=self._global_rank(self._last_rank), group=self.group)
+            return result.to(self.device)
 
     @torch.no_grad()
     def forward(self, *inputs, broadcast_result: bool = False):
         """Inference, micro-batched, without autograd: the full-batch output on the last stage.
 
-        With ``broadcast_result=True`` every rank of the pipeline gets it (autoregressive decoding).
+        With ``broadcast_result=True`` every rank of the pipeline gets it (autoregressive decoding). A
+        failure closes the Pipeline as in ``step``.
         """
+        self._check_usable("forward")
         split_inputs = microbatch.split(inputs, self.micro_batches, "inputs", self.device) if 0 in self.stages else None
+        with self._failing_fast():
+            return self._forward(split_inputs, broadcast_result)
+
+    def _forward(self, split_inputs, broadcast_result: bool):
         outputs = []
         for micro_batch in range(self.micro_batches):
             for stage in self.stages:
@@ -259,6 +276,30 @@ class Pipeline:
             channel.close()
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _check_usable(self, action: str) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"Pipeline rank {self.rank}: cannot {action}: its channels were closed when an "
+                               f"earlier call failed ({self._failed}); build a new Pipeline")
+
+    @contextlib.contextmanager
+    def _failing_fast(self):
+        """On a failure: the peers' reasons added to a communication error, this rank's published, channels closed."""
+        try:
+            yield
+        except BaseException as error:
+            global_rank = self._global_rank(self.rank)
+            reasons = self._failures.reasons(global_rank)
+            explained = error
+            if reasons and isinstance(error, (ChannelError, TimeoutError)):
+                explained = type(error)(f"{error} ({reasons})")
+            self._failed = describe(explained)
+            self._failures.publish(global_rank, explained)
+            with contextlib.suppress(Exception):  # the step's own error is the one to report
+                self.close()
+            if explained is error:
+                raise
+            raise explained from error
 
     def _connect(self, backend: str, timeout: float) -> dict[tuple[int, str], object]:
         """Two channels (activations, gradients) to every neighbouring rank, opened in one global

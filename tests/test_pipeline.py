@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -306,6 +307,42 @@ def stalled_peer(rank: int, world_size: int) -> str:
 
 def test_a_stalled_peer_times_out_naming_stage_micro_batch_and_action(tmp_path):
     run_ranks(2, stalled_peer, tmp_path)
+
+
+def failing_last_stage(rank: int, world_size: int) -> str:
+    stages = build_stages(world_size)
+    calls = []
+
+    def failing_loss(output, target):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ArithmeticError("the loss of micro-batch 2 failed")
+        return loss_fn(output, target)
+
+    pipe = pipecomm.Pipeline(stages[rank], stage=rank, num_stages=world_size, loss_fn=failing_loss, micro_batches=4,
+                             timeout=60)
+    store = dist.distributed_c10d._get_default_store()
+    x, mask, target = batch(0)
+    started = time.monotonic()
+    if rank == 0:
+        with pytest.raises(pipecomm.transport.ChannelError) as error:
+            pipe.step(x, mask, target=target)
+        # Told at once by the closed channel, not after its 60 s timeout, and told why.
+        assert time.monotonic() - started < 30
+        assert "rank 1 failed: ArithmeticError: the loss of micro-batch 2 failed" in str(error.value), error.value
+        store.set("rank 0 failed too", "1")
+    else:
+        with pytest.raises(ArithmeticError):
+            pipe.step(x, mask, target=target)
+        store.wait(["rank 0 failed too"])  # alive throughout: rank 0 learnt of the failure from the channel
+    with pytest.raises(RuntimeError, match="its channels were closed when an earlier call failed"):
+        pipe.step(x, mask, target=target)
+    pipe.close()
+    return "ok"
+
+
+def test_a_failing_rank_fails_its_peers_at_once_and_says_why(tmp_path):
+    assert run_ranks(2, failing_last_stage, tmp_path) == ["ok", "ok"]
 
 
 @pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", 1), ("interleaved-1f1b", 2)])
