@@ -1,7 +1,8 @@
-"""Failing fast: a rank whose step fails says why through the job's store, so its pipeline peers stop waiting and can tell."""
+"""Failing fast: a rank whose step fails says why through the job's store, and collectives wait no longer than the pipeline's timeout."""
 
 from __future__ import annotations
 
+import datetime
 import itertools
 
 import torch.distributed as dist
@@ -40,3 +41,17 @@ def describe(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     text = f"{type(error).__name__}: {lines[0] if lines else ''}"
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def wait_collective(work: dist.Work, group: dist.ProcessGroup | None, timeout: float, what: str) -> None:
+    """Waits for a collective: on gloo at most ``timeout`` seconds, then a TimeoutError naming ``what``.
+
+    On NCCL the wait only orders the GPU's streams, the host does not block, and NCCL's watchdog bounds it.
+    """
+    if dist.get_backend(group) == "nccl":
+        work.wait()
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as error:
+        raise TimeoutError(f"{what}: failed or not done after {timeout:g} s ({error})") from error

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecomm.executor import GradientSink
+from pipecomm.failure import wait_collective
 
 __all__: list[str] = []
 
@@ -46,10 +47,11 @@ class SharedParameters:
         for param, holders, group in self.entries:
             dist.broadcast(param.data, src=holders[0], group=group)
 
-    def reduce_grads(self, sink_for: Callable[[nn.Parameter], GradientSink]) -> None:
-        for param, _, group in self.entries:
+    def reduce_grads(self, sink_for: Callable[[nn.Parameter], GradientSink], timeout: float) -> None:
+        for param, holders, group in self.entries:
             grad = _grad_or_zeros(sink_for(param), param)
-            dist.all_reduce(grad, group=group)
+            work = dist.all_reduce(grad, group=group, async_op=True)
+            wait_collective(work, group, timeout, f"the all-reduce of a shared parameter's gradient among ranks {holders}")
 
 
 class DataParallelGrads:
@@ -59,9 +61,10 @@ class DataParallelGrads:
     the rest of the pipeline's flush; ``finish`` waits for them at the end of the step.
     """
 
-    def __init__(self, sinks: dict[int, GradientSink], group: dist.ProcessGroup):
+    def __init__(self, sinks: dict[int, GradientSink], group: dist.ProcessGroup, timeout: float):
         self.sinks = sinks
         self.group = group
+        self.timeout = timeout
         self.size = dist.get_world_size(group)
         holders: dict[int, list[int]] = {}
         for stage, sink in sinks.items():
@@ -71,26 +74,26 @@ class DataParallelGrads:
         self._own = {stage: [p for p in sink.params if len(holders[id(p)]) == 1] for stage, sink in sinks.items()}
         self._late = list({id(p): (stage, p) for stage, sink in sinks.items() for p in sink.params
                            if len(holders[id(p)]) > 1}.values())
-        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+        self._in_flight: list[tuple[dist.Work, torch.Tensor, int]] = []
 
     def start(self, stage: int) -> None:
         for param in self._own[stage]:
-            self._reduce(self.sinks[stage], param)
+            self._reduce(stage, param)
 
     def finish(self) -> None:
         for stage, param in self._late:
-            self._reduce(self.sinks[stage], param)
+            self._reduce(stage, param)
         grads = []
-        for work, grad in self._in_flight:
-            work.wait()
+        for work, grad, stage in self._in_flight:
+            wait_collective(work, self.group, self.timeout, f"the data-parallel all-reduce of stage {stage}'s gradients")
             grads.append(grad)
         self._in_flight = []
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.size)
 
-    def _reduce(self, sink: GradientSink, param: nn.Parameter) -> None:
-        grad = _grad_or_zeros(sink, param)
-        self._in_flight.append((dist.all_reduce(grad, group=self.group, async_op=True), grad))
+    def _reduce(self, stage: int, param: nn.Parameter) -> None:
+        grad = _grad_or_zeros(self.sinks[stage], param)
+        self._in_flight.append((dist.all_reduce(grad, group=self.group, async_op=True), grad, stage))
 
 
 def _grad_or_zeros(sink: GradientSink, param: nn.Parameter) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch import nn
 from pipecomm import microbatch, transport
 from pipecomm.device_timing import DeviceTimeline
 from pipecomm.executor import GradientSink, StageExecutor
-from pipecomm.failure import StepFailures, describe
+from pipecomm.failure import StepFailures, describe, wait_collective
 from pipecomm.grad_sync import DataParallelGrads, SharedParameters
 from pipecomm.schedule import SCHEDULES, Schedule, make_schedule, validate
 from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
@@ -65,6 +65,7 @@ class Pipeline:
         modules = list(module) if isinstance(module, (list, tuple)) else [module]
         stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
         self.group = group
+        self.timeout = timeout
         self.num_ranks = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         _check_configuration(modules, stages, num_stages, self.num_ranks, self.rank, schedule)
@@ -81,7 +82,7 @@ class Pipeline:
                 raise ValueError(f"Pipeline: {flag}=True needs stages on a CUDA device, not {self.device}")
         self._sinks = {s: GradientSink(list(self.modules[s].parameters()), main_grad) for s in self.stages}
         self._data_parallel = (
-            DataParallelGrads(self._sinks, data_group)
+            DataParallelGrads(self._sinks, data_group, timeout)
             if data_group is not None and dist.get_world_size(data_group) > 1
             else None
         )
@@ -133,12 +134,15 @@ class Pipeline:
             if self._data_parallel:
                 self._data_parallel.finish()
             if self._shared:
-                self._shared.reduce_grads(self._sink_of)
+                self._shared.reduce_grads(self._sink_of, self.timeout)
             if self.num_ranks == 1:
                 return loss
             wire = self._wire_device()
             result = loss.float().to(wire) if loss is not None else torch.zeros((), dtype=torch.float32, device=wire)
-            dist.broadcast(result, src=self._global_rank(self._last_rank), group=self.group)
+            source = self._global_rank(self._last_rank)
+            work = dist.broadcast(result, src=source, group=self.group, async_op=True)
+            wait_collective(work, self.group, self.timeout,
+                            f"pipeline rank {self.rank}: the broadcast of the loss from the last stage (rank {source})")
             return result.to(self.device)
 
     @torch.no_grad()
@@ -188,7 +192,9 @@ class Pipeline:
             op = dist.ReduceOp.SUM
         total = local.to(device)
         if self.num_ranks > 1:
-            dist.all_reduce(total, op=op, group=self.group)
+            work = dist.all_reduce(total, op=op, group=self.group, async_op=True)
+            wait_collective(work, self.group, self.timeout,
+                            f"pipeline rank {self.rank}: clip_grad_norm_'s all-reduce of the gradient norm")
         norm = total if norm_type == math.inf else total.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         if grads:

@@ -309,6 +309,35 @@ def test_a_stalled_peer_times_out_naming_stage_micro_batch_and_action(tmp_path):
     run_ranks(2, stalled_peer, tmp_path)
 
 
+def stalled_before_the_loss_broadcast(rank: int, world_size: int) -> str:
+    stages = build_stages(world_size)
+    pipe = pipecomm.Pipeline(stages[rank], stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=4,
+                             timeout=2.0)
+    store = dist.distributed_c10d._get_default_store()
+    x, mask, target = batch(0)
+    if rank == 0:
+        with pytest.raises(TimeoutError) as error:
+            pipe.step(x, mask, target=target)
+        assert "pipeline rank 0: the broadcast of the loss from the last stage (rank 1)" in str(error.value), error.value
+        store.set("timed-out", "1")
+        return "ok"
+    run = pipe._executor.run
+
+    def stalled(*args):
+        run(*args)  # every message of the step has been sent; only the loss broadcast is left
+        store.wait(["timed-out"])
+        raise RuntimeError("stalled on purpose")  # a timed-out gloo collective leaves the group unusable
+
+    pipe._executor.run = stalled
+    with pytest.raises(RuntimeError, match="stalled on purpose"):
+        pipe.step(x, mask, target=target)
+    return "ok"
+
+
+def test_a_peer_stalled_before_the_loss_broadcast_times_out_naming_it(tmp_path):
+    assert run_ranks(2, stalled_before_the_loss_broadcast, tmp_path) == ["ok", "ok"]
+
+
 def failing_last_stage(rank: int, world_size: int) -> str:
     stages = build_stages(world_size)
     calls = []
