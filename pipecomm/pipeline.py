@@ -6,6 +6,7 @@ import collections
 import contextlib
 import json
 import math
+import pickle
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -139,10 +140,7 @@ class Pipeline:
                 return loss
             wire = self._wire_device()
             result = loss.float().to(wire) if loss is not None else torch.zeros((), dtype=torch.float32, device=wire)
-            source = self._global_rank(self._last_rank)
-            work = dist.broadcast(result, src=source, group=self.group, async_op=True)
-            wait_collective(work, self.group, self.timeout,
-                            f"pipeline rank {self.rank}: the broadcast of the loss from the last stage (rank {source})")
+            self._broadcast(result, "the loss")
             return result.to(self.device)
 
     @torch.no_grad()
@@ -339,19 +337,32 @@ class Pipeline:
         return torch.device("cpu")
 
     def _broadcast_from_last(self, result):
-        source = self._global_rank(self._last_rank)
-        layout = [None if result is None else [None if t is None else (t.shape, t.dtype) for t in result]]
-        dist.broadcast_object_list(layout, src=source, group=self.group)
+        """The last stage's inference output on every rank: its layout as pickled bytes, then each tensor."""
+        wire = self._wire_device()
+        layout = None if result is None else [None if t is None else (tuple(t.shape), t.dtype) for t in result]
+        encoded = pickle.dumps(layout) if self.rank == self._last_rank else b""
+        size = torch.tensor([len(encoded)], dtype=torch.int64, device=wire)
+        self._broadcast(size, "the size of the inference output's layout")
+        data = (torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(wire) if encoded
+                else torch.empty(int(size.item()), dtype=torch.uint8, device=wire))
+        self._broadcast(data, "the inference output's layout")
+        layout = pickle.loads(data.cpu().numpy().tobytes())
         tensors = []
-        for index, entry in enumerate(layout[0]):
+        for index, entry in enumerate(layout):
             if entry is None:
                 tensors.append(None)
                 continue
-            wire = self._wire_device()
             buffer = result[index].to(wire) if result is not None else torch.empty(entry[0], dtype=entry[1], device=wire)
-            dist.broadcast(buffer, src=source, group=self.group)
+            self._broadcast(buffer, f"tensor {index} of the inference output")
             tensors.append(buffer.to(self.device))
         return tuple(tensors)
+
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        """From the last stage's rank to every rank of the pipeline, waiting no longer than the timeout."""
+        source = self._global_rank(self._last_rank)
+        work = dist.broadcast(tensor, src=source, group=self.group, async_op=True)
+        wait_collective(work, self.group, self.timeout,
+                        f"pipeline rank {self.rank}: the broadcast of {what} from the last stage (rank {source})")
 
 
 class _Loopback:
