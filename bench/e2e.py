@@ -156,7 +156,6 @@ class Rank:
         self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self._barriers = 0
-        self.pipe: Any = None  # the pipecomm schedule being timed, for --trace
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -284,7 +283,7 @@ class Rank:
 
     # -- schedules -----------------------------------------------------------------------------
 
-    def pipecomm_runner(self, config: Config, schedule: str) -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
+    def pipecomm_runner(self, config: Config, schedule: str) -> tuple[Callable[[], torch.Tensor], Callable[[], None], Any]:
         import pipecomm
 
         cuda_graphs = schedule.endswith(GRAPHS)
@@ -305,7 +304,6 @@ class Rank:
             cuda_graphs=cuda_graphs,
             device_timing=bool(self.args.trace) and self.cuda,
         )
-        self.pipe = pipe
         inputs, target = self.batch(config)
 
         def step() -> torch.Tensor:
@@ -314,9 +312,9 @@ class Rank:
                 module.zero_grad(set_to_none=True)
             return loss
 
-        return step, pipe.close
+        return step, pipe.close, pipe
 
-    def torch_runner(self, config: Config, name: str) -> tuple[Callable[[], torch.Tensor | None], Callable[[], None]]:
+    def torch_runner(self, config: Config, name: str) -> tuple[Callable[[], torch.Tensor | None], Callable[[], None], None]:
         import torch.distributed.pipelining as pipelining
 
         class_name, chunks = TORCH_SCHEDULES[name]
@@ -343,27 +341,27 @@ class Rank:
             # loss_fn gives each micro-batch's mean; the step's loss is their mean, as pipecomm returns.
             return torch.stack([loss.detach().float() for loss in losses]).mean() if losses else None
 
-        return step, lambda: None
+        return step, lambda: None, None
 
     def run_schedule(self, config: Config, name: str) -> dict[str, Any]:
         result: dict[str, Any] = {"config": config.name, "schedule": name, "rank": self.rank}
-        self.pipe = None
         self.release()
         close: Callable[[], None] = lambda: None  # noqa: E731
         try:
+            # pipe: the pipecomm Pipeline being timed (None for torch's schedules), for --trace
             if name in TORCH_SCHEDULES:
-                step, close = self.torch_runner(config, name)
+                step, close, pipe = self.torch_runner(config, name)
             else:
-                step, close = self.pipecomm_runner(config, name)
+                step, close, pipe = self.pipecomm_runner(config, name)
             loss = step()  # first step: connects, infers shapes; not timed
             result["loss"] = float(loss) if loss is not None else None
             self.synchronize()
             samples, wall_ms = self.time_steps(step, self.args.warmup, self.args.steps)
             result.update(step_ms=samples, wall_ms=wall_ms, peak_gb=self.peak_gb())
-            if self.args.trace and self.pipe is not None:
+            if self.args.trace and pipe is not None:
                 # The last timed step, at the GPU's times (device_timing) when on GPUs.
-                self.pipe.trace(str(Path(self.args.trace) / f"{config.name}-{name}.json"))
-                result["rank_bubble"] = self.pipe.bubble_fraction()
+                pipe.trace(str(Path(self.args.trace) / f"{config.name}-{name}.json"))
+                result["rank_bubble"] = pipe.bubble_fraction()
         except Exception as error:
             message = f"{type(error).__name__}: {error}".splitlines()[0][:160]
             result["error"] = message
@@ -372,7 +370,7 @@ class Rank:
         finally:
             with contextlib.suppress(Exception):
                 close()
-            step = close = self.pipe = None  # type: ignore[assignment]
+            step = close = pipe = None  # type: ignore[assignment]
             self.release()
         self.barrier()
         return result

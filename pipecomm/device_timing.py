@@ -45,7 +45,6 @@ class DeviceTimeline:
         """The share of the last step's GPU time, from its start to its end, not spent in compute actions."""
         if self._used == 0:
             return 0.0
-        self._step[1].synchronize()
-        span = self._step[0].elapsed_time(self._step[1])
-        busy = sum(self._marks[i].elapsed_time(self._marks[i + 1]) for i in range(0, self._used, 2))
+        busy = sum(end - start for start, end in self.spans())
+        span = self._step[0].elapsed_time(self._step[1]) / 1e3
         return min(1.0, max(0.0, 1.0 - busy / span)) if span > 0 else 0.0
