@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: build with CUDA, run the CUDA twins (`pytest -m cuda`, or PYTEST_ARGS), the
-# native tests (unless NATIVE=0) and the GPU benches given as arguments, e.g.
-#   bash scripts/gpu_check.sh "p2p.py --reps 5" "e2e.py --configs compute --trace /tmp/pipecomm-gpu/traces"
+# native tests (unless NATIVE=0) and the GPU benches given as arguments, each optionally led by environment
+# settings for that bench alone, e.g.
+#   bash scripts/gpu_check.sh "p2p.py --reps 5" "PIPECOMM_IPC_WAIT=kernel p2p.py --reps 5" "e2e.py --configs compute"
 # Everything lands in /tmp/pipecomm-gpu and, when $OUT is set (the device tool), in $OUT/results.tgz,
 # rewritten after every stage: a run cut short still brings back what it measured, and the tool's cap
 # on returned files never drops any.
@@ -40,11 +41,15 @@ if [ "${NATIVE:-1}" = 1 ]; then
   stage native
 fi
 for bench in "$@"; do
-  base=$(basename "${bench%% *}" .py) name=$base run=1
+  read -ra words <<< "$bench"
+  settings=()
+  while [[ "${words[0]}" == *=* ]]; do settings+=("${words[0]}"); words=("${words[@]:1}"); done
+  base=$(basename "${words[0]}" .py) name=$base run=1
   while [ -e "$work/$name.txt" ]; do run=$((run + 1)) name=$base-$run; done  # the same bench twice
-  # shellcheck disable=SC2086  # the bench's own arguments split on spaces
-  timeout "${BENCH_TIMEOUT:-300}" python3 bench/$bench --json "$work/$name.json" >"$work/$name.txt" 2>"$work/$name.err"
-  echo "$name exit $?"
+  echo "# $bench" > "$work/$name.txt"
+  timeout "${BENCH_TIMEOUT:-300}" env "${settings[@]}" python3 "bench/${words[0]}" "${words[@]:1}" \
+    --json "$work/$name.json" >>"$work/$name.txt" 2>"$work/$name.err"
+  echo "$name exit $? ($bench)"
   grep -v "^# [a-z_0-9]*:" "$work/$name.txt" | tail -40
   stage "$name"
 done
