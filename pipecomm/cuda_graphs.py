@@ -9,7 +9,7 @@ micro-batch it can hold in flight (the schedule says how many), used round-robin
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -46,9 +46,10 @@ class _Slot:
     """One captured forward/backward pair and the static tensors they read and write."""
 
     def __init__(self, inputs: tuple, targets: tuple, outputs: tuple, grad_outputs: list,
-                 forward: torch.cuda.CUDAGraph, backward: torch.cuda.CUDAGraph, grads: Sequence):
+                 forward: torch.cuda.CUDAGraph, backward: torch.cuda.CUDAGraph, input_grads: list, param_grads: list):
         self.inputs, self.targets, self.outputs = inputs, targets, outputs
-        self.grad_outputs, self.forward, self.backward, self.grads = grad_outputs, forward, backward, grads
+        self.grad_outputs, self.forward, self.backward = grad_outputs, forward, backward
+        self.input_grads, self.param_grads = input_grads, param_grads
 
 
 class GraphedStage:
@@ -75,7 +76,8 @@ class GraphedStage:
 
     def backward(self, micro_batch: int, grads: tuple | None) -> tuple[list, list]:
         """Replays the slot's backward for the outputs' ``grads`` (None: the loss's, captured as 1); returns
-        (input grads, parameter grads), static."""
+        the static (input grads, parameter grads), one entry per input and per stage parameter (None where
+        there is no gradient)."""
         slot = self._slots[micro_batch % self.num_slots]
         differentiable = iter(slot.grad_outputs)
         for output, grad in zip(slot.outputs, grads or ()):
@@ -83,8 +85,7 @@ class GraphedStage:
                 static = next(differentiable)
                 static.copy_(grad) if grad is not None else static.zero_()
         slot.backward.replay()
-        count = sum(1 for t in slot.inputs if _differentiable(t))
-        return list(slot.grads[:count]), list(slot.grads[count:])
+        return slot.input_grads, slot.param_grads
 
     # -- capture -------------------------------------------------------------------------------
 
@@ -121,7 +122,7 @@ class GraphedStage:
                 with torch.cuda.graph(backward, pool=pool, capture_error_mode="thread_local"):
                     grads = self._grad(outputs, grad_outputs, inputs, wanted_params)
             self._slots.append(_Slot(inputs, static_targets, outputs, grad_outputs, forward, backward,
-                                     self._align(grads, inputs)))
+                                     *self._align(grads, inputs)))
 
     def _grad(self, outputs, grad_outputs, inputs, params) -> tuple:
         differentiable = [t for t in outputs if _differentiable(t)]
@@ -130,11 +131,11 @@ class GraphedStage:
             return (None,) * len(wanted)
         return torch.autograd.grad(differentiable, wanted, grad_outputs, allow_unused=True)
 
-    def _align(self, grads: tuple, inputs: tuple) -> list:
-        """Input grads, then one entry per stage parameter (None for frozen ones)."""
-        count = sum(1 for t in inputs if _differentiable(t))
-        by_param = iter(grads[count:])
-        return list(grads[:count]) + [next(by_param) if p.requires_grad else None for p in self.params]
+    def _align(self, grads: tuple, inputs: tuple) -> tuple[list, list]:
+        """``_grad``'s results as one entry per input and one per stage parameter (None: no gradient)."""
+        produced = iter(grads)
+        input_grads = [next(produced) if _differentiable(t) else None for t in inputs]
+        return input_grads, [next(produced) if p.requires_grad else None for p in self.params]
 
     def _copy_in(self, static: tuple, values: tuple, what: str, micro_batch: int) -> None:
         if len(static) != len(values):

@@ -235,14 +235,10 @@ class StageExecutor:
         key = (stage, micro_batch)
         del self._outputs[key]
         input_grads, param_grads = self.graphed[stage].backward(micro_batch, self._grads_out.pop(key, None))
-        inputs = self._stage_inputs.pop(key)
+        del self._stage_inputs[key]
         if stage > 0:
             # Copies: the slot's buffers are rewritten by its next replay, maybe before a send has read them.
-            remaining = iter(input_grads)
-            self._grads_in[key] = tuple(
-                _clone(next(remaining)) if isinstance(t, torch.Tensor) and t.is_floating_point() else None
-                for t in inputs
-            )
+            self._grads_in[key] = tuple(_clone(grad) for grad in input_grads)
         self.sinks[stage].add(param_grads)
 
     def _backward_input(self, stage: int, micro_batch: int) -> None:
