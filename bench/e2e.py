@@ -35,7 +35,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,15 @@ CONFIGS = {
 def smoke_config(config: Config) -> Config:
     """The same micro-batch counts at toy sizes, so every schedule's control flow runs on CPU."""
     return Config(config.name, 32, 16, 2, config.micro_batches)
+
+
+def config_named(name: str, smoke: bool) -> Config:
+    """A config by name; "compute-m16" is compute with 16 micro-batches (--micro-batches)."""
+    base, _, micro_batches = name.partition("-m")
+    config = CONFIGS[base]
+    if micro_batches:
+        config = replace(config, name=name, micro_batches=int(micro_batches))
+    return smoke_config(config) if smoke else config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,7 +402,7 @@ def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any]
             env["dtype"] = "float32 (smoke)"
     me.barrier()
     for name in args.config_list:
-        config = CONFIGS[name] if not args.smoke else smoke_config(CONFIGS[name])
+        config = config_named(name, args.smoke)
         me.log(f"{name}: d={config.hidden} seq={config.seq} micro-batch {config.micro_batch_size} x "
                f"{config.micro_batches}: one stage's compute")
         compute, memory = me.compute_ms(config)
@@ -425,7 +434,7 @@ class Collector:
 
 
 def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -> tuple[list[dict[str, Any]], dict]:
-    config = CONFIGS[config_name] if not args.smoke else smoke_config(CONFIGS[config_name])
+    config = config_named(config_name, args.smoke)
     m, p = config.micro_batches, args.ranks
     per_rank_compute = [collected.compute.get((config_name, rank), {}).get("ms_per_micro_batch")
                         for rank in range(args.ranks)]
@@ -599,6 +608,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--configs", default="all", help="all, or a comma list of: " + ", ".join(CONFIGS))
     parser.add_argument("--schedules", default="all",
                         help="all, or a comma list of: " + ", ".join(PIPECOMM_SCHEDULES + list(TORCH_SCHEDULES)))
+    parser.add_argument("--micro-batches", metavar="LIST",
+                        help="comma list of micro-batch counts: each config runs once per count (e.g. 8,16,32) "
+                             "instead of at its own")
     parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks, one GPU each (2, 4 or 8)")
     parser.add_argument("--layers", type=int, default=8,
                         help="GPT layers; divisible by 2 x ranks (the interleaved schedules' stage count)")
@@ -632,6 +644,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.schedule_list:
         if name not in known:
             parser.error(f"unknown schedule {name!r}; known: {', '.join(known)}")
+    if args.micro_batches:
+        try:
+            counts = [int(count) for count in args.micro_batches.split(",") if count.strip()]
+        except ValueError:
+            parser.error(f"--micro-batches must be a comma list of integers, not {args.micro_batches!r}")
+        if not counts or min(counts) < args.ranks:
+            parser.error(f"--micro-batches needs counts >= --ranks ({args.ranks}), got {args.micro_batches!r}")
+        args.config_list = [f"{name}-m{count}" for name in args.config_list for count in counts]
     if args.ranks < 2 or args.layers % (VIRTUAL * args.ranks):
         parser.error(f"--ranks must be >= 2 and --layers a multiple of {VIRTUAL} x ranks = {VIRTUAL * args.ranks}")
     if args.steps < 1 or args.warmup < 0:

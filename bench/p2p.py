@@ -64,6 +64,9 @@ P2P_COLUMNS = ["size", "pc_us", "nccl_us", "pc/nccl_us", "pc_GB/s", "nccl_GB/s",
 TUPLE_COLUMNS = ["case", "MB", "timing", "pc_us", "nccl_x8_us", "nccl_batch_us", "pc/nccl_x8", "pc/nccl_batch"]
 GEMM_COLUMNS = ["rank", "role", "alone_TF/s", "drift%", "+pc_TF/s", "pc_loss%", "+nccl_TF/s", "nccl_loss%",
                 "covered", "pc_xfer_GB/s", "nccl_xfer_GB/s"]
+# The same windows seen through NVML: whether a loss is the SM clock dropping (power) or the GEMM sharing.
+CLOCK_COLUMNS = ["rank", "role", "alone_MHz", "pc_clock_loss%", "pc_loss%", "nccl_clock_loss%", "nccl_loss%",
+                 "alone_W", "pc_W", "capped"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,6 +365,61 @@ class TransferThread(threading.Thread):
             self.started.set()
 
 
+class GpuClocks:
+    """SM clock, power and whether the power cap is throttling, read from NVML (the driver's libnvidia-ml).
+
+    Tells a GEMM slowed by sharing memory or SMs from one slowed by its clock: a GPU at its power cap
+    lowers the clock when a copy engine and NVLink draw power beside the GEMM. None of it on CPU or
+    where the library cannot be loaded.
+    """
+
+    SM_CLOCK = 1  # NVML_CLOCK_SM
+    POWER_CAP_REASONS = 0x4 | 0x80  # SW power cap, HW power brake
+
+    def __init__(self, device: torch.device):
+        self.handle = None
+        if device.type != "cuda" or os.environ.get("CUDA_VISIBLE_DEVICES"):
+            return  # NVML numbers the GPUs physically; only an unmasked process can match them to cuda:i
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            self.reads = (nvml.nvmlDeviceGetClockInfo, nvml.nvmlDeviceGetPowerUsage,
+                          nvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+            handle = ctypes.c_void_p()
+            if nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetHandleByIndex_v2(device.index, ctypes.byref(handle)) == 0:
+                self.handle = handle
+        except (OSError, AttributeError):
+            self.handle = None
+
+    def sample(self) -> tuple[float, float, bool] | None:
+        """(SM MHz, watts, power-capped) now."""
+        if self.handle is None:
+            return None
+        clock_info, power_usage, throttle_reasons = self.reads
+        mhz, milliwatts, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
+        if (clock_info(self.handle, self.SM_CLOCK, ctypes.byref(mhz))
+                or power_usage(self.handle, ctypes.byref(milliwatts))
+                or throttle_reasons(self.handle, ctypes.byref(reasons))):
+            return None
+        return float(mhz.value), milliwatts.value / 1e3, bool(reasons.value & self.POWER_CAP_REASONS)
+
+    def during(self, first: Any, last: Any) -> dict[str, float] | None:
+        """Samples every ~0.5 ms from when event `first` completes until `last` does: the median clock
+        and power, and the share of samples with the power cap throttling."""
+        if self.handle is None:
+            return None
+        taken = []
+        while not last.query():
+            if first.query():
+                reading = self.sample()
+                if reading is not None:
+                    taken.append(reading)
+            time.sleep(0.0005)
+        if not taken:
+            return None
+        return {"mhz": statistics.median(t[0] for t in taken), "watts": statistics.median(t[1] for t in taken),
+                "capped": sum(t[2] for t in taken) / len(taken), "samples": len(taken)}
+
+
 def gemm_phase(ctx: RankContext, movers: dict[str, Mover]) -> dict[str, Any]:
     args = ctx.args
     n = args.gemm_n
@@ -371,7 +429,9 @@ def gemm_phase(ctx: RankContext, movers: dict[str, Mover]) -> dict[str, Any]:
     c = torch.empty(n, n, dtype=dtype, device=ctx.device)
     flop = 2 * n**3
 
-    def window() -> list[tuple[Any, Any]]:
+    clocks = GpuClocks(ctx.device)
+
+    def window(clock_key: str | None = None) -> list[tuple[Any, Any]]:
         if ctx.cuda:
             torch.cuda._sleep(SLEEP_CYCLES)
         marks = []
@@ -379,20 +439,24 @@ def gemm_phase(ctx: RankContext, movers: dict[str, Mover]) -> dict[str, Any]:
             start = ctx.clock.mark()
             torch.mm(a, b, out=c)
             marks.append((start, ctx.clock.mark()))
+        if clock_key is not None and ctx.cuda:
+            reading = clocks.during(marks[0][0], marks[-1][1])
+            if reading is not None:
+                result["clocks"].setdefault(clock_key, []).append(reading)
         return marks
 
     def tflops(marks: list[tuple[Any, Any]]) -> float:
         # Median of per-GEMM times: a launch gap between GEMMs does not count against them.
         return flop / statistics.median(ctx.clock.ms(start, end) for start, end in marks) / 1e9
 
+    result: dict[str, Any] = {"n": n, "gemms": args.gemm_count, "tflops": {}, "covered": {},
+                              "xfer_gbps": {}, "messages": {}, "clocks": {}}
     window()  # cuBLAS heuristics, clocks
     ctx.sync()
-    result: dict[str, Any] = {"n": n, "gemms": args.gemm_count, "tflops": {}, "covered": {},
-                              "xfer_gbps": {}, "messages": {}}
 
-    def alone() -> float:
+    def alone(clock_key: str | None = None) -> float:
         ctx.sync()
-        return tflops(window())
+        return tflops(window(clock_key))
 
     # A window's length, the same number on both ranks: it sizes the transfer that must outlast it.
     window_ms = ctx.all_reduce(flop / statistics.median(alone() for _ in range(2)) / 1e9 * args.gemm_count, "max")
@@ -408,14 +472,14 @@ def gemm_phase(ctx: RankContext, movers: dict[str, Mover]) -> dict[str, Any]:
     result["tflops"]["alone"] = []
     # Alone and loaded windows alternate, so clock and power drift over the run hit both alike.
     for _ in range(args.reps):
-        result["tflops"]["alone"].append(alone())
+        result["tflops"]["alone"].append(alone("alone"))
         for name, mover in movers.items():
             ctx.sync()
             thread = TransferThread(ctx, mover, payload, counts[name])
             thread.start()
             if not thread.started.wait(args.timeout):
                 raise TimeoutError(f"{name}: the transfer did not start within {args.timeout} s")
-            marks = window()
+            marks = window(name)
             thread.join(args.timeout)
             if thread.is_alive():
                 raise TimeoutError(f"{name}: {counts[name]} transfers did not finish within {args.timeout} s")
@@ -478,6 +542,7 @@ def rank_environment(ctx: RankContext, backend: str | None, channel_error: str |
         env["nvidia_smi_topo_gpu0_gpu1"] = gpu_link()
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         env["NCCL_NVLS_ENABLE"] = os.environ.get("NCCL_NVLS_ENABLE")
+        env["PIPECOMM_IPC_SM_MAX_BYTES"] = os.environ.get("PIPECOMM_IPC_SM_MAX_BYTES")
     env["pipecomm_backend"] = backend
     if channel_error:
         env["pipecomm_channel_error"] = channel_error
@@ -624,6 +689,15 @@ def gemm_rows(outcomes: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
             return statistics.median((1 - loaded / base) * 100 for loaded, base in zip(samples[name], alone))
 
         xfer = {name: statistics.median(values) if values else None for name, values in gemm["xfer_gbps"].items()}
+        clocks = {name: {key: statistics.median(reading[key] for reading in readings)
+                         for key in ("mhz", "watts", "capped")}
+                  for name, readings in gemm.get("clocks", {}).items() if readings}
+
+        def clock_loss(name: str) -> float | None:
+            if name not in clocks or "alone" not in clocks:
+                return None
+            return (1 - clocks[name]["mhz"] / clocks["alone"]["mhz"]) * 100
+
         rows.append({
             "rank": rank, "role": "sender" if rank == 0 else "receiver",
             "alone_TF/s": tflops["alone"], "drift%": (alone[-1] / alone[0] - 1) * 100,
@@ -631,7 +705,10 @@ def gemm_rows(outcomes: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
             "+nccl_TF/s": tflops.get("nccl"), "nccl_loss%": loss("nccl"),
             "covered": "/".join("yes" if all(values) else "NO" for values in gemm["covered"].values()),
             "pc_xfer_GB/s": xfer.get("pipecomm"), "nccl_xfer_GB/s": xfer.get("nccl"),
-            "messages": gemm["messages"], "n": gemm["n"], "tflops_samples": gemm["tflops"],
+            "alone_MHz": clocks.get("alone", {}).get("mhz"), "pc_clock_loss%": clock_loss("pipecomm"),
+            "nccl_clock_loss%": clock_loss("nccl"), "alone_W": clocks.get("alone", {}).get("watts"),
+            "pc_W": clocks.get("pipecomm", {}).get("watts"), "capped": clocks.get("alone", {}).get("capped"),
+            "clocks": clocks, "messages": gemm["messages"], "n": gemm["n"], "tflops_samples": gemm["tflops"],
         })
     return rows
 
@@ -741,6 +818,11 @@ def main(argv: list[str] | None = None) -> None:
               + " per window); covered = the transfer ran through the whole window (" + "/".join(gemm[0]["messages"])
               + "); xfer GB/s on rank 1 during the GEMMs")
         print_table(gemm, GEMM_COLUMNS)
+        if any(row["alone_MHz"] is not None for row in gemm):
+            print("# NVML during the same GEMM windows (medians of ~0.5 ms samples): SM clock alone, its drop with "
+                  "each transfer beside the TFLOP/s drop, board power, and the share of alone samples in which "
+                  "the power cap was throttling the clock (capped)")
+            print_table(gemm, CLOCK_COLUMNS)
     for goal in goals:
         value = "not measured" if goal["value"] is None else f"{goal['value']:.3f} {goal['verdict']}"
         print(f"# target: {goal['target']}: {value}")

@@ -160,6 +160,13 @@ def test_stress_random_sizes_and_delays(tmp_path, backend, kind, count):
     assert run_ranks(2, stress, tmp_path, backend, kind, count, 3 << 20, timeout=120) == [0, 0]
 
 
+@needs_cuda
+def test_ipc_stress_with_small_messages_on_sms(tmp_path, monkeypatch):
+    # Messages up to 64 KB go as one thread block, the rest by the copy engine, mixed in one stream.
+    monkeypatch.setenv("PIPECOMM_IPC_SM_MAX_BYTES", str(64 << 10))
+    assert run_ranks(2, stress, tmp_path, "ipc", "cuda", 3000, 3 << 20, timeout=120) == [0, 0]
+
+
 def shrink_after_large_messages(rank: int, world_size: int, backend: str, kind: str) -> list:
     device = rank_device(rank, kind)
     big = torch.arange(1 << 18, dtype=torch.float32, device=device)  # 1 MB: grows rank 1's 4 KB slots

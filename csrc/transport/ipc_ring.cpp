@@ -5,12 +5,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
 #include <utility>
 
 #include "shm_ring.h"  // ChannelError, ProtocolError
+#include "sm_transfer.h"
 
 #if !defined(CUDART_VERSION) || CUDART_VERSION < 12000
 #error "pipecomm ipc_ring needs CUDA 12.0 or newer (cuStreamWaitValue32_v2 through the runtime's entry points)"
@@ -243,25 +246,98 @@ void check_next_seq(uint64_t seq, uint64_t expected, const std::string& prefix, 
   }
 }
 
-// The body of both send paths: one copy-engine copy per region into `destination` (a peer slot or a
-// posted buffer), then ready[slot] = round; the write's default flags put a memory barrier before it, so
-// the data is visible before the flag.
+// One stream-ordered step of the protocol: wait until each flag reaches its value, copy the regions into
+// `slot` (a peer slot or posted buffer) or out of it (this end's slot), then write `signal` = value.
+struct Step {
+  struct Wait {
+    const void* flag;
+    uint32_t value;
+    const char* name;
+  };
+  Wait waits[kSmTransferMaxWaits];
+  int wait_count = 0;
+  const CopyRegion* regions = nullptr;
+  size_t count = 0;
+  char* slot = nullptr;
+  bool into_slot = true;
+  const void* signal = nullptr;
+  uint32_t signal_value = 0;
+  const char* signal_name = "";
+  size_t message_bytes = 0;  // for a step without regions: the size of the message it waits for
+
+  void wait(const void* flag, uint32_t value, const char* name) { waits[wait_count++] = {flag, value, name}; }
+};
+
+// A step for a message of 1 .. sm_max_bytes bytes in at most kSmTransferMaxCopies pieces runs as one
+// thread block (sm_transfer.h). Every other step runs as stream memory waits, one copy-engine copy per
+// region and a memory write whose default flags put a barrier before it, so the data is visible
+// before the flag.
 template <typename Describe>
-void enqueue_payload(char* destination, const CopyRegion* regions, size_t count, const SlotPosition& position,
-                     cudaStream_t stream, const DriverApi& api, const std::string& prefix, const Describe& what) {
-  for (size_t i = 0; i < count; ++i) {
-    if (regions[i].bytes == 0) continue;
-    if (const cudaError_t error = cudaMemcpyAsync(destination + regions[i].slot_offset, regions[i].local,
-                                                  regions[i].bytes, cudaMemcpyDeviceToDevice, stream);
+void enqueue_step(const Step& step, size_t sm_max_bytes, cudaStream_t stream, const DriverApi& api,
+                  const std::string& prefix, const Describe& what) {
+  size_t bytes = step.message_bytes;
+  int pieces = 0;
+  for (size_t i = 0; i < step.count; ++i) {
+    bytes += step.regions[i].bytes;
+    pieces += step.regions[i].bytes > 0 ? 1 : 0;
+  }
+  if (bytes > 0 && bytes <= sm_max_bytes && pieces <= kSmTransferMaxCopies) {
+    SmTransfer transfer;
+    for (int w = 0; w < step.wait_count; ++w) {
+      transfer.waits[w] = {static_cast<const uint32_t*>(step.waits[w].flag), step.waits[w].value};
+    }
+    transfer.wait_count = step.wait_count;
+    for (size_t i = 0; i < step.count; ++i) {
+      const CopyRegion& region = step.regions[i];
+      if (region.bytes == 0) continue;
+      char* in_slot = step.slot + region.slot_offset;
+      transfer.copies[transfer.copy_count++] =
+          step.into_slot ? SmTransfer::Copy{in_slot, region.local, region.bytes}
+                         : SmTransfer::Copy{region.local, in_slot, region.bytes};
+    }
+    transfer.signal = static_cast<uint32_t*>(const_cast<void*>(step.signal));
+    transfer.signal_value = step.signal_value;
+    check_cuda(enqueue_sm_transfer(transfer, stream), prefix, "sm_transfer kernel launch", what());
+    return;
+  }
+  for (int w = 0; w < step.wait_count; ++w) {
+    const Step::Wait& wait = step.waits[w];
+    if (const CUresult result = api.wait_value32(stream, device_address(wait.flag), wait.value, CU_STREAM_WAIT_VALUE_GEQ);
+        result != CUDA_SUCCESS) {
+      check_driver(result, api, prefix, "cuStreamWaitValue32", std::string(wait.name) + ", " + what());
+    }
+  }
+  for (size_t i = 0; i < step.count; ++i) {
+    const CopyRegion& region = step.regions[i];
+    if (region.bytes == 0) continue;
+    char* in_slot = step.slot + region.slot_offset;
+    if (const cudaError_t error =
+            step.into_slot ? cudaMemcpyAsync(in_slot, region.local, region.bytes, cudaMemcpyDeviceToDevice, stream)
+                           : cudaMemcpyAsync(region.local, in_slot, region.bytes, cudaMemcpyDeviceToDevice, stream);
         error != cudaSuccess) {
       check_cuda(error, prefix, "cudaMemcpyAsync", what() + ", region " + std::to_string(i));
     }
   }
-  if (const CUresult result =
-          api.write_value32(stream, device_address(position.ready), position.round, CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (step.signal == nullptr) return;
+  if (const CUresult result = api.write_value32(stream, device_address(step.signal), step.signal_value,
+                                                CU_STREAM_WRITE_VALUE_DEFAULT);
       result != CUDA_SUCCESS) {
-    check_driver(result, api, prefix, "cuStreamWriteValue32", "ready, " + what());
+    check_driver(result, api, prefix, "cuStreamWriteValue32", std::string(step.signal_name) + ", " + what());
   }
+}
+
+// PIPECOMM_IPC_SM_MAX_BYTES: messages up to this size move as one thread block (see enqueue_step);
+// 0, the default, keeps every message on the copy engine and stream memory operations.
+size_t sm_max_bytes_from_environment(const std::string& prefix) {
+  const char* text = std::getenv("PIPECOMM_IPC_SM_MAX_BYTES");
+  if (text == nullptr || *text == '\0') return 0;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long value = std::strtoull(text, &end, 10);
+  if (errno != 0 || *end != '\0' || *text == '-') {
+    throw ChannelError(prefix + ": PIPECOMM_IPC_SM_MAX_BYTES must be a byte count, not '" + text + "'");
+  }
+  return static_cast<size_t>(value);
 }
 
 // Runs release() on `device` once everything queued there has finished, then restores the
@@ -371,7 +447,10 @@ IpcRingHandleInfo parse_ipc_ring_handles(const std::string& handles) {
 // Receiver
 
 IpcRingReceiver::IpcRingReceiver(int device, uint32_t num_slots, size_t slot_bytes, std::string error_prefix)
-    : device_(device), num_slots_(num_slots), error_prefix_(prefix_or_default(std::move(error_prefix))) {
+    : device_(device),
+      num_slots_(num_slots),
+      error_prefix_(prefix_or_default(std::move(error_prefix))),
+      sm_max_bytes_(sm_max_bytes_from_environment(error_prefix_)) {
   if (num_slots == 0 || num_slots > kMaxSlots) {
     throw ProtocolError(error_prefix_ + ": num_slots must be in [1, " + std::to_string(kMaxSlots) + "], got " +
                         std::to_string(num_slots));
@@ -477,43 +556,33 @@ void IpcRingReceiver::enqueue_receive(uint64_t seq, const CopyRegion* regions, s
   DeviceGuard guard(device_, error_prefix_);
 
   const SlotPosition position = slot_position(flags_, num_slots_, seq);
-  const char* slot_data = static_cast<const char*>(generation.data) + size_t{position.slot} * generation.slot_bytes;
+  char* slot_data = static_cast<char*>(generation.data) + size_t{position.slot} * generation.slot_bytes;
   // Built only on failure: this is the per-message hot path.
   const auto what = [&] { return position.describe(seq); };
 
   // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
-  if (const CUresult result =
-          api.wait_value32(stream, device_address(position.ready), position.round, CU_STREAM_WAIT_VALUE_GEQ);
-      result != CUDA_SUCCESS) {
-    check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "ready, " + what());
-  }
-  for (size_t i = 0; i < count; ++i) {
-    if (regions[i].bytes == 0) continue;
-    if (const cudaError_t error = cudaMemcpyAsync(regions[i].local, slot_data + regions[i].slot_offset,
-                                                  regions[i].bytes, cudaMemcpyDeviceToDevice, stream);
-        error != cudaSuccess) {
-      check_cuda(error, error_prefix_, "cudaMemcpyAsync", "out of the slot, " + what() + ", region " + std::to_string(i));
-    }
-  }
-  // The default flags order the write after the copies' memory accesses.
-  if (const CUresult result =
-          api.write_value32(stream, device_address(position.ack), position.round, CU_STREAM_WRITE_VALUE_DEFAULT);
-      result != CUDA_SUCCESS) {
-    check_driver(result, api, error_prefix_, "cuStreamWriteValue32", "ack, " + what());
-  }
+  Step step;
+  step.wait(position.ready, position.round, "ready");
+  step.regions = regions;
+  step.count = count;
+  step.slot = slot_data;
+  step.into_slot = false;
+  step.signal = position.ack;
+  step.signal_value = position.round;
+  step.signal_name = "ack";
+  enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "out of the slot, " + what(); });
   ++next_seq_;
 }
 
-void IpcRingReceiver::enqueue_receive_direct(uint64_t seq, cudaStream_t stream) {
+void IpcRingReceiver::enqueue_receive_direct(uint64_t seq, size_t bytes, cudaStream_t stream) {
   check_next_seq(seq, next_seq_, error_prefix_, "enqueue_receive_direct");
   const DriverApi& api = driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
   const SlotPosition position = slot_position(flags_, num_slots_, seq);
-  if (const CUresult result =
-          api.wait_value32(stream, device_address(position.ready), position.round, CU_STREAM_WAIT_VALUE_GEQ);
-      result != CUDA_SUCCESS) {
-    check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "ready, " + position.describe(seq) + ", direct");
-  }
+  Step step;
+  step.wait(position.ready, position.round, "ready");
+  step.message_bytes = bytes;
+  enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return position.describe(seq) + ", direct"; });
   ++next_seq_;
 }
 
@@ -583,7 +652,9 @@ void IpcRingReceiver::enqueue_post(uint64_t post, cudaStream_t stream) {
 // Sender
 
 IpcRingSender::IpcRingSender(int device, const std::string& receiver_handles, std::string error_prefix)
-    : device_(device), error_prefix_(prefix_or_default(std::move(error_prefix))) {
+    : device_(device),
+      error_prefix_(prefix_or_default(std::move(error_prefix))),
+      sm_max_bytes_(sm_max_bytes_from_environment(error_prefix_)) {
   IpcRingHandleInfo info;
   try {
     info = parse_ipc_ring_handles(receiver_handles);
@@ -752,24 +823,19 @@ void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t
 
   // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
   SlotHistory& history = slot_history_[position.slot];
-  if (history.slot_round > 0) {  // the slot's last slot-path occupant must have been copied out
-    if (const CUresult result =
-            api.wait_value32(stream, device_address(position.ack), history.slot_round, CU_STREAM_WAIT_VALUE_GEQ);
-        result != CUDA_SUCCESS) {
-      check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "ack, " + what());
-    }
-  }
+  Step step;
+  if (history.slot_round > 0) step.wait(position.ack, history.slot_round, "ack");  // the last occupant copied out
   // After a direct message on another stream, that message's ready write must land first.
   if (seq >= num_slots_ && history.slot_round != position.round - 1 && history.stream != stream) {
-    if (const CUresult result =
-            api.wait_value32(stream, device_address(position.ready), position.round - 1, CU_STREAM_WAIT_VALUE_GEQ);
-        result != CUDA_SUCCESS) {
-      check_driver(result, api, error_prefix_, "cuStreamWaitValue32",
-                   "ready of the slot's previous message, " + what());
-    }
+    step.wait(position.ready, position.round - 1, "ready of the slot's previous message");
   }
-  enqueue_payload(slot_data, regions, count, position, stream, api, error_prefix_,
-                  [&] { return "into the peer slot, " + what(); });
+  step.regions = regions;
+  step.count = count;
+  step.slot = slot_data;
+  step.signal = position.ready;
+  step.signal_value = position.round;
+  step.signal_name = "ready";
+  enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "into the peer slot, " + what(); });
   history.slot_round = position.round;
   history.stream = stream;
   ++next_seq_;
@@ -792,29 +858,24 @@ bool IpcRingSender::enqueue_send_direct(uint64_t seq, uint64_t post, const cudaI
   const SlotPosition position = slot_position(flags_, num_slots_, seq);
   char* buffer = allocation->base + offset;
   // Built only on failure: this is the per-message hot path.
-  const auto what = [&] { return position.describe(seq) + ", into post " + std::to_string(post); };
+  const auto what = [&] { return position.describe(seq) + ", post " + std::to_string(post); };
 
   // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
   SlotHistory& history = slot_history_[position.slot];
+  Step step;
   // ready[slot] rises in message order: on one stream by itself, across streams after this wait.
   if (seq >= num_slots_ && history.stream != stream) {
-    if (const CUresult result =
-            api.wait_value32(stream, device_address(position.ready), position.round - 1, CU_STREAM_WAIT_VALUE_GEQ);
-        result != CUDA_SUCCESS) {
-      check_driver(result, api, error_prefix_, "cuStreamWaitValue32",
-                   "ready of the slot's previous message, " + what());
-    }
+    step.wait(position.ready, position.round - 1, "ready of the slot's previous message");
   }
   // The receiver's stream has passed the buffer's allocation: nothing of its own still uses that memory.
-  if (!posted_passed) {
-    if (const CUresult result = api.wait_value32(stream, device_address(posted_counter(flags_, num_slots_)),
-                                                 static_cast<cuuint32_t>(post + 1), CU_STREAM_WAIT_VALUE_GEQ);
-        result != CUDA_SUCCESS) {
-      check_driver(result, api, error_prefix_, "cuStreamWaitValue32", "posted, " + what());
-    }
-  }
-  enqueue_payload(buffer, regions, count, position, stream, api, error_prefix_,
-                  [&] { return "into the posted buffer, " + what(); });
+  if (!posted_passed) step.wait(posted_counter(flags_, num_slots_), static_cast<uint32_t>(post + 1), "posted");
+  step.regions = regions;
+  step.count = count;
+  step.slot = buffer;
+  step.signal = position.ready;
+  step.signal_value = position.round;
+  step.signal_name = "ready";
+  enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "into the posted buffer, " + what(); });
   history.stream = stream;
   ++next_seq_;
   return true;

@@ -34,6 +34,12 @@
 // its metadata channel before enqueuing, and why a process whose peer died mid-transfer should call
 // abandon() on its ring ends (or exit) instead of destroying them normally.
 //
+// Small messages: with PIPECOMM_IPC_SM_MAX_BYTES=N, each step of a message of 1 .. N bytes (a send's waits,
+// copies and ready write; a slot receive's wait, copies and ack) runs as one thread block that polls the
+// flags and copies with loads and stores (sm_transfer.h). That takes the front end's memory-operation and
+// copy-engine latencies off the path, but the block holds a place on one SM for as long as it waits, so
+// it is off by default. The flags mean the same either way, so the two ends need not agree.
+//
 // Each end is used by one host thread at a time.
 #pragma once
 
@@ -97,9 +103,9 @@ class IpcRingReceiver {
     enqueue_receive(seq, regions.data(), regions.size(), stream);
   }
 
-  // For a message the sender wrote into a posted buffer: enqueues on `stream` only the wait
-  // ready[slot] >= round (no copy, no acknowledgement). seq must be exactly the next one.
-  void enqueue_receive_direct(uint64_t seq, cudaStream_t stream);
+  // For a message of `bytes` bytes the sender wrote into a posted buffer: enqueues on `stream` only the
+  // wait ready[slot] >= round (no copy, no acknowledgement). seq must be exactly the next one.
+  void enqueue_receive_direct(uint64_t seq, size_t bytes, cudaStream_t stream);
 
   // Skip synchronization and freeing in the destructor (leaks the device memory). For a process
   // whose peer died while streams still wait on its flags.
@@ -151,6 +157,7 @@ class IpcRingReceiver {
   int device_;
   uint32_t num_slots_;
   std::string error_prefix_;
+  size_t sm_max_bytes_;
   std::string pci_bus_id_;
   void* flags_ = nullptr;
   cudaIpcMemHandle_t flags_handle_{};
@@ -250,6 +257,7 @@ class IpcRingSender {
 
   int device_;
   std::string error_prefix_;
+  size_t sm_max_bytes_;
   std::string pci_bus_id_;
   int32_t owner_pid_ = 0;
   int peer_device_ = -1;
