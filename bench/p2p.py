@@ -59,14 +59,14 @@ TARGET_BW_FRACTION, TARGET_BW_MIN_BYTES = 0.95, 64 << 20
 TARGET_LATENCY_RATIO, TARGET_LATENCY_BYTES = 1 / 3, 4 << 10
 TARGET_GEMM_LOSS_PCT = 3.0
 
-P2P_COLUMNS = ["size", "pc_us", "nccl_us", "pc/nccl_us", "pc_GB/s", "nccl_GB/s", "peer_GB/s", "copy__GB/s",
+P2P_COLUMNS = ["size", "pc_us", "nccl_us", "pc/nccl_us", "pc_host_us", "nccl_host_us", "pc_GB/s", "nccl_GB/s", "peer_GB/s", "copy__GB/s",
                "pc/peer", "nccl/peer"]
 TUPLE_COLUMNS = ["case", "MB", "timing", "pc_us", "nccl_x8_us", "nccl_batch_us", "pc/nccl_x8", "pc/nccl_batch"]
 GEMM_COLUMNS = ["rank", "role", "alone_TF/s", "drift%", "+pc_TF/s", "pc_loss%", "+nccl_TF/s", "nccl_loss%",
-                "covered", "pc_xfer_GB/s", "nccl_xfer_GB/s"]
+                "copy_loss%", "covered", "pc_xfer_GB/s", "nccl_xfer_GB/s", "copy_xfer_GB/s"]
 # The same windows seen through NVML: whether a loss is the SM clock dropping (power) or the GEMM sharing.
 CLOCK_COLUMNS = ["rank", "role", "alone_MHz", "pc_clock_loss%", "pc_loss%", "nccl_clock_loss%", "nccl_loss%",
-                 "alone_W", "pc_W", "capped"]
+                 "copy_clock_loss%", "copy_loss%", "alone_W", "pc_W", "capped"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,12 +186,55 @@ class DistMover:
         return buffers
 
 
+class PeerCopyMover:
+    """Raw cudaMemcpyPeerAsync copies from rank 0 into a buffer on cuda:1 that rank 0 allocated itself, with
+    nothing on rank 1: the copy engine's own cost to the GEMMs, the floor for any copy-engine transport.
+
+    one_sided: rank 1's recv and rank 0's recv of acks return at once, so only rank 0 can tell when the
+    copies ran.
+    """
+
+    one_sided = True
+
+    def __init__(self, ctx: RankContext, cudart: ctypes.CDLL, nbytes: int):
+        self.cudart = cudart
+        self.source_device = ctx.device.index
+        self.destination = None
+        if ctx.rank == 0:
+            self.destination = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", 1))
+            self.destination[:1].copy_(torch.zeros(1, dtype=torch.uint8, device=ctx.device))  # torch enables peer access
+
+    def send(self, tensors: Sequence[torch.Tensor]) -> None:
+        source = tensors[0]
+        if self.destination is None or source.numel() != self.destination.numel():
+            return
+        status = self.cudart.cudaMemcpyPeerAsync(self.destination.data_ptr(), 1, source.data_ptr(),
+                                                 self.source_device, source.numel(),
+                                                 torch.cuda.current_stream().cuda_stream)
+        if status != 0:
+            raise RuntimeError(f"cudaMemcpyPeerAsync failed with CUDA error {status}")
+
+    def recv(self, like: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        return like
+
+    def ms_per_copy(self, ctx: RankContext, payload: torch.Tensor, count: int) -> float:
+        """Rank 0: ms per back-to-back copy."""
+        self.send([payload])
+        start = ctx.clock.mark()
+        for _ in range(count):
+            self.send([payload])
+        return ctx.clock.ms(start, ctx.clock.mark()) / count
+
+
 # ---------------------------------------------------------------------------------------------
 # Timed patterns. Both ranks call each with the same arguments; the timing rank returns its samples.
 
 
-def ping_pong(ctx: RankContext, mover: Mover, message: list[torch.Tensor]) -> list[float] | None:
-    """Rank 0: per repetition, one-way ms = half the mean round trip. Rank 1 echoes what it receives."""
+def ping_pong(ctx: RankContext, mover: Mover,
+              message: list[torch.Tensor]) -> tuple[list[float], list[float]] | None:
+    """Rank 0: per repetition, one-way ms = half the mean round trip, on the GPU and on the host clock
+    (the host's enqueueing alone; when it matches the GPU's, the host bounds the latency). Rank 1
+    echoes what it receives."""
     args = ctx.args
 
     def round_trip() -> None:
@@ -203,20 +246,23 @@ def ping_pong(ctx: RankContext, mover: Mover, message: list[torch.Tensor]) -> li
 
     for _ in range(args.warmup):
         round_trip()
-    samples = []
+    samples, host_samples = [], []
     for _ in range(args.reps):
         ctx.sync()
         # An untimed round trip first: the start mark then waits for its echo on the GPU, so the
         # barrier's skew between the ranks stays out of the timing.
         round_trip()
         start = ctx.clock.mark()
+        host_start = time.perf_counter()
         for _ in range(args.iters):
             round_trip()
+        host_ms = (time.perf_counter() - host_start) * 1e3
         end = ctx.clock.mark()  # after the last recv, whose data the current stream waits for
         if ctx.rank == 0:
             samples.append(ctx.clock.ms(start, end) / args.iters / 2)
+            host_samples.append(host_ms / args.iters / 2)
     ctx.sync()
-    return samples if ctx.rank == 0 else None
+    return (samples, host_samples) if ctx.rank == 0 else None
 
 
 def streaming(ctx: RankContext, mover: Mover, message: list[torch.Tensor], iters: int | None = None,
@@ -463,7 +509,10 @@ def gemm_phase(ctx: RankContext, movers: dict[str, Mover]) -> dict[str, Any]:
     payload = torch.randint(0, 256, (args.gemm_transfer_bytes,), dtype=torch.uint8, device=ctx.device)
     counts = {}
     for name, mover in movers.items():
-        calibration = streaming(ctx, mover, [payload], iters=4, reps=1)
+        if isinstance(mover, PeerCopyMover):
+            calibration = [mover.ms_per_copy(ctx, payload, 4)] if ctx.rank == 0 else None
+        else:
+            calibration = streaming(ctx, mover, [payload], iters=4, reps=1)
         message_ms = ctx.all_reduce(calibration[0] if calibration else 0.0, "max")
         # Twice the window plus the sleep, at the unloaded rate: the transfer only slows under load.
         counts[name] = min(max(math.ceil((2 * window_ms + SLEEP_MS_BOUND) / max(message_ms, 1e-3)) + 2, 8),
@@ -486,10 +535,13 @@ def gemm_phase(ctx: RankContext, movers: dict[str, Mover]) -> dict[str, Any]:
             if thread.error:
                 raise RuntimeError(f"{name} transfer thread failed:\n{thread.error}")
             result["tflops"].setdefault(name, []).append(tflops(marks))
-            # The transfer was running on this rank's GPU before the first GEMM and after the last.
+            # The transfer was running on this rank's GPU before the first GEMM and after the last; a
+            # one-sided copy leaves nothing on rank 1 to tell, and is timed on rank 0.
+            one_sided = isinstance(mover, PeerCopyMover)
             result["covered"].setdefault(name, []).append(
+                None if one_sided and ctx.rank == 1 else
                 ctx.clock.ms(thread.first, marks[0][0]) >= 0 and ctx.clock.ms(marks[-1][1], thread.last) >= 0)
-            if ctx.rank == 1:
+            if ctx.rank == (0 if one_sided else 1):
                 result["xfer_gbps"].setdefault(name, []).append(
                     gb_per_s((counts[name] - 1) * payload.numel(), ctx.clock.ms(thread.first, thread.last)))
             ctx.sync()
@@ -575,7 +627,10 @@ def run_rank(rank: int, world_size: int, store_port: int, report: Any, config: d
         ctx.log(f"one tensor of {label}")
         message = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)]
         for name, mover in movers.items():
-            record(f"lat/{name}/{label}", ping_pong(ctx, mover, message))
+            gpu_and_host = ping_pong(ctx, mover, message)
+            if gpu_and_host is not None:
+                record(f"lat/{name}/{label}", gpu_and_host[0])
+                record(f"lat_host/{name}/{label}", gpu_and_host[1])
             record(f"bw/{name}/{label}", streaming(ctx, mover, message))
 
     tuple_movers = dict(movers, nccl_batch=DistMover(ctx.peer, batched=True))
@@ -584,12 +639,17 @@ def run_rank(rank: int, world_size: int, store_port: int, report: Any, config: d
         message = mixed_tensors(nbytes, device)
         samples[f"tuple_bytes/{label}"] = [float(sum(t.numel() * t.element_size() for t in message))]
         for name, mover in tuple_movers.items():
-            record(f"tuple_lat/{name}/{label}", ping_pong(ctx, mover, message))
+            gpu_and_host = ping_pong(ctx, mover, message)
+            record(f"tuple_lat/{name}/{label}", gpu_and_host[0] if gpu_and_host else None)
             record(f"tuple_bw/{name}/{label}", streaming(ctx, mover, message))
 
     if not args.no_gemm:
         ctx.log("GEMM interference")
-        out["gemm"] = gemm_phase(ctx, movers)
+        gemm_movers = dict(movers)
+        cudart = load_cudart() if ctx.cuda else None
+        if ctx.all_reduce(1.0 if cudart is not None else 0.0, "min") > 0:
+            gemm_movers["copy"] = PeerCopyMover(ctx, cudart, args.gemm_transfer_bytes)
+        out["gemm"] = gemm_phase(ctx, gemm_movers)
 
     ctx.log("in-process peer copy")
     if channel is not None:
@@ -643,6 +703,8 @@ def p2p_rows(args: argparse.Namespace, samples: dict[str, list[float]]) -> list[
             "pc_us": latency["pipecomm"] * 1e3 if latency["pipecomm"] is not None else None,
             "nccl_us": latency["nccl"] * 1e3 if latency["nccl"] is not None else None,
             "pc/nccl_us": ratio(latency["pipecomm"], latency["nccl"]),
+            "pc_host_us": (median(samples, f"lat_host/pipecomm/{label}") or 0) * 1e3 or None,
+            "nccl_host_us": (median(samples, f"lat_host/nccl/{label}") or 0) * 1e3 or None,
             "pc_GB/s": gbps["pipecomm"],
             "nccl_GB/s": gbps["nccl"],
             "peer_GB/s": gbps["peer"],
@@ -702,9 +764,11 @@ def gemm_rows(outcomes: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
             "rank": rank, "role": "sender" if rank == 0 else "receiver",
             "alone_TF/s": tflops["alone"], "drift%": (alone[-1] / alone[0] - 1) * 100,
             "+pc_TF/s": tflops.get("pipecomm"), "pc_loss%": loss("pipecomm"),
-            "+nccl_TF/s": tflops.get("nccl"), "nccl_loss%": loss("nccl"),
-            "covered": "/".join("yes" if all(values) else "NO" for values in gemm["covered"].values()),
+            "+nccl_TF/s": tflops.get("nccl"), "nccl_loss%": loss("nccl"), "copy_loss%": loss("copy"),
+            "covered": "/".join("n/a" if None in values else "yes" if all(values) else "NO"
+                                for values in gemm["covered"].values()),
             "pc_xfer_GB/s": xfer.get("pipecomm"), "nccl_xfer_GB/s": xfer.get("nccl"),
+            "copy_xfer_GB/s": xfer.get("copy"), "copy_clock_loss%": clock_loss("copy"),
             "alone_MHz": clocks.get("alone", {}).get("mhz"), "pc_clock_loss%": clock_loss("pipecomm"),
             "nccl_clock_loss%": clock_loss("nccl"), "alone_W": clocks.get("alone", {}).get("watts"),
             "pc_W": clocks.get("pipecomm", {}).get("watts"), "capped": clocks.get("alone", {}).get("capped"),
@@ -805,7 +869,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         print("# SMOKE RUN on CPU: gloo stands in for NCCL, a CPU copy for the peer copy; numbers mean nothing")
     print(f"# {args.iters} messages x median of {args.reps} reps; us = one-way latency (half a ping-pong "
-          "round trip, rank 0); GB/s = back-to-back stream timed on rank 1; peer = in-process cuda:0->cuda:1 "
+          "round trip, rank 0); host_us = the same loop on the host clock, enqueueing only; GB/s = back-to-back stream timed on rank 1; peer = in-process cuda:0->cuda:1 "
           "cudaMemcpyPeerAsync (copy engine), copy_ = the same through torch copy_; pc = pipecomm")
     print_table(p2p, P2P_COLUMNS)
     print("# 8 mixed-dtype tensors per message: one pipecomm send vs 8 dist.send (x8) and one "
@@ -816,7 +880,8 @@ def main(argv: list[str] | None = None) -> None:
               f"window; alone and loaded windows alternate, loss = median of each loaded window against the alone one before it; drift = last alone / first; during {args.gemm_transfer} messages rank 0 -> rank 1 ("
               + ", ".join(f"{name} {count}" for name, count in gemm[0]["messages"].items())
               + " per window); covered = the transfer ran through the whole window (" + "/".join(gemm[0]["messages"])
-              + "); xfer GB/s on rank 1 during the GEMMs")
+              + "); xfer GB/s on rank 1 during the GEMMs; copy = raw cudaMemcpyPeerAsync from rank 0's process into "
+              "cuda:1, nothing on rank 1 (timed on rank 0): the copy engine's own cost, the floor")
         print_table(gemm, GEMM_COLUMNS)
         if any(row["alone_MHz"] is not None for row in gemm):
             print("# NVML during the same GEMM windows (medians of ~0.5 ms samples): SM clock alone, its drop with "
