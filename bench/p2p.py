@@ -145,10 +145,25 @@ class PipecommMover:
         self.channel = channel
 
     def send(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.channel.send(tensors)
+        with torch.profiler.record_function("pipecomm.send"):  # free unless a profiler runs
+            self.channel.send(tensors)
 
     def recv(self, like: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-        return self.channel.recv()  # pipecomm learns the layout from the message itself
+        with torch.profiler.record_function("pipecomm.recv"):
+            return self.channel.recv()  # pipecomm learns the layout from the message itself
+
+
+def profile_ping_pong(ctx: RankContext, mover: Mover, nbytes: int, directory: str) -> None:
+    """A torch.profiler trace of pipecomm's ping-pong on each rank: where the host's time per message
+    goes (CUDA runtime calls inside pipecomm.send / pipecomm.recv, the wait for the peer's note)."""
+    message = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=ctx.device)]
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if ctx.cuda else [])
+    with torch.profiler.profile(activities=activities) as profiler:
+        ping_pong(ctx, mover, message)
+    os.makedirs(directory, exist_ok=True)
+    profiler.export_chrome_trace(os.path.join(directory, f"pingpong-rank{ctx.rank}.json"))
+    with open(os.path.join(directory, f"pingpong-rank{ctx.rank}.txt"), "w") as table:
+        table.write(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 class DistMover:
@@ -633,6 +648,10 @@ def run_rank(rank: int, world_size: int, store_port: int, report: Any, config: d
                 record(f"lat_host/{name}/{label}", gpu_and_host[1])
             record(f"bw/{name}/{label}", streaming(ctx, mover, message))
 
+    if args.profile and "pipecomm" in movers:
+        ctx.log(f"profiling the pipecomm ping-pong at {args.size_list[0][0]}")
+        profile_ping_pong(ctx, movers["pipecomm"], args.size_list[0][1], args.profile)
+
     tuple_movers = dict(movers, nccl_batch=DistMover(ctx.peer, batched=True))
     for label, nbytes in args.tuple_list:
         ctx.log(f"8 mixed tensors, {label} in all")
@@ -830,6 +849,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gemm-transfer", default="256M", help="message size streamed during the GEMM")
     parser.add_argument("--gemm-max-messages", type=int, default=4000, help="cap on messages per GEMM window")
     parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM interference phase")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="also profile pipecomm's ping-pong at the first size with torch.profiler: a Chrome "
+                             "trace and a table of host time per call, per rank, in DIR")
     parser.add_argument("--timeout", type=int, default=120, help="seconds for init, connect and any one wait")
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds before the ranks are killed")
     parser.add_argument("--smoke", action="store_true",
