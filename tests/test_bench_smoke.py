@@ -1,0 +1,49 @@
+"""The GPU benchmarks' control flow, run in their --smoke mode on CPU: every table, option and JSON field."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), "--smoke", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def test_p2p_smoke_measures_every_phase(tmp_path):
+    result = run_bench("p2p.py", "--json", str(tmp_path / "p2p.json"), "--profile", str(tmp_path / "profile"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "p2p.json").read_text())
+    for row in report["p2p"]:
+        assert row["pc_us"] > 0 and row["pc_host_us"] > 0 and row["nccl_host_us"] > 0, row
+    assert {row["role"] for row in report["gemm"]} == {"sender", "receiver"}
+    assert all(row["pc_loss%"] is not None and row["nccl_loss%"] is not None for row in report["gemm"])
+    for rank in (0, 1):
+        assert "pipecomm.recv" in (tmp_path / "profile" / f"pingpong-rank{rank}.txt").read_text()
+
+
+def test_e2e_smoke_sweeps_micro_batch_counts(tmp_path):
+    result = run_bench("e2e.py", "--configs", "compute", "--micro-batches", "2,4", "--schedules",
+                       "1f1b,zb-h1,torch 1F1B", "--json", str(tmp_path / "e2e.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "e2e.json").read_text())
+    assert set(report["rows"]) == {"compute-m2", "compute-m4"}
+    for name, count in (("compute-m2", 2), ("compute-m4", 4)):
+        assert report["configs"][name]["shape"]["micro_batches"] == count
+        rows = report["rows"][name]
+        assert [row["schedule"] for row in rows] == ["1f1b", "zb-h1", "torch 1F1B"]
+        assert all("error" not in row and row["step_ms"] > 0 for row in rows), rows
+        assert max(row["loss"] for row in rows) == pytest.approx(min(row["loss"] for row in rows), rel=1e-5)
+
+
+@pytest.mark.parametrize("counts", ["1,8", "8,x"])
+def test_e2e_rejects_bad_micro_batch_counts(counts):
+    result = run_bench("e2e.py", "--micro-batches", counts, timeout=60)
+    assert result.returncode == 2 and "--micro-batches" in result.stderr, result.stderr[-2000:]
