@@ -246,6 +246,16 @@ class IpcChannel {
     Entries incoming;
     {
       py::gil_scoped_release no_gil;
+      // A layout seen twice in a row is predicted for the next messages; a new one may be a one-off.
+      // The posts for later messages go out while the peer's note is still on its way, off the path
+      // from its arrival to this call's return (a change of layout in this message leaves them
+      // unused, as the posts made before it are).
+      const bool posted_early = last_layout_repeated_;
+      if (posted_early) {
+        const c10::cuda::CUDAGuard guard(device_);
+        const std::lock_guard<std::mutex> lock(receiver_mutex_);
+        post_ahead(recv_seq_ + 1, caller_stream().stream());
+      }
       Message message = host_receiver_.recv();
       bool layout_changed = false;
       if (message.tag == kTagMeta) {
@@ -267,10 +277,10 @@ class IpcChannel {
       const c10::cuda::CUDAGuard guard(device_);
       const c10::cuda::CUDAStream caller = caller_stream();
       const std::lock_guard<std::mutex> lock(receiver_mutex_);
-      // A layout seen twice in a row is predicted for the next messages; a new one may be a one-off.
       // Posted ahead of this message's wait, the posts' counter writes stay off the stream's
       // critical path.
-      if (!layout_changed) post_ahead(recv_seq_ + 1, caller.stream());
+      if (!layout_changed && !posted_early) post_ahead(recv_seq_ + 1, caller.stream());
+      last_layout_repeated_ = !layout_changed;
       if (direct) {
         const PostedBuffer* post = find_post(recv_seq_, post_number);
         if (post == nullptr || (post->layout != received_ && post->layout->meta != received_->meta)) {
@@ -487,6 +497,7 @@ class IpcChannel {
   bool direct_enabled_ = true;
   bool posting_enabled_ = true;
   std::string failed_send_;  // why a send failed after its note went out; empty while none did
+  bool last_layout_repeated_ = false;  // the last message received came without a new layout
   uint64_t direct_sends_ = 0;
   uint64_t direct_recvs_ = 0;
 };
