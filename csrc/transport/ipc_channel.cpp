@@ -171,6 +171,10 @@ class IpcChannel {
   // Returns 0 once the message is enqueued, or, leaving everything untouched, the slot size the
   // peer must grow to first (the Python layer asks it to, then calls again).
   size_t send(const py::sequence& entries) {
+    if (!failed_send_.empty()) {
+      throw ChannelError(send_direction_ + ": a send failed after its note to the peer went out (" + failed_send_ +
+                         "); the peer waits for that message, so this channel cannot send again");
+    }
     const Entries outgoing = outgoing_entries(entries, device_, send_direction_);
     const std::vector<at::Tensor> tensors = present_tensors(outgoing);
     const std::vector<int64_t> offsets = packed_offsets(tensors);
@@ -199,20 +203,34 @@ class IpcChannel {
     // Large messages' copies run on the channel's stream, which was just ordered after the caller's:
     // what the caller's stream is known to follow, they follow too.
     const cudaStream_t caller = caller_stream().stream();
-    bool direct = false;
-    if (post != nullptr) {
-      const bool posted_passed = caller == peer_posts_stream_ && post->post < peer_posts_passed_;
-      direct = sender_->enqueue_send_direct(send_seq_, post->post, post->handle, static_cast<size_t>(post->offset),
-                                            static_cast<size_t>(post->bytes), regions.data(), regions.size(),
-                                            stream.stream(), posted_passed);
-      // An allocation this process cannot map will not map later either.
-      if (!direct) direct_enabled_ = false;
-    }
-    if (!direct) {
-      // Past a post this process could not map, the slot may still need to grow first; the meta,
-      // already sent, then precedes the data that follows the growth, as the peer expects.
-      if (needed > sender_->slot_bytes()) return needed;
-      sender_->enqueue_send(send_seq_, regions, stream.stream());
+    // An allocation this process cannot map will not map later either.
+    const bool direct = post != nullptr && sender_->can_map(post->handle);
+    if (post != nullptr && !direct) direct_enabled_ = false;
+    // Past a post this process could not map, the slot may still need to grow first; the meta,
+    // already sent, then precedes the data that follows the growth, as the peer expects.
+    if (!direct && needed > sender_->slot_bytes()) return needed;
+    // The note goes out before the copy is enqueued: the peer's host then enqueues its receive while
+    // this host enqueues the send, instead of after it. Nothing left to do can fail but the CUDA
+    // calls themselves; if one does, the peer's stream waits for a message that never comes, as it
+    // would for a peer that died, and this channel refuses to send again.
+    // Read without receiver_mutex_: only this thread posts.
+    const DataNote note{direct ? post->post : 0, receiver_.posts_ordered_before(caller)};
+    host_sender_.send_bytes(&note, sizeof(note), direct ? kTagDataDirect : kTagData);
+    try {
+      if (direct) {
+        const bool posted_passed = caller == peer_posts_stream_ && post->post < peer_posts_passed_;
+        if (!sender_->enqueue_send_direct(send_seq_, post->post, post->handle, static_cast<size_t>(post->offset),
+                                          static_cast<size_t>(post->bytes), regions.data(), regions.size(),
+                                          stream.stream(), posted_passed)) {
+          throw ChannelError("the posted buffer's allocation could no longer be mapped");
+        }
+        ++direct_sends_;
+      } else {
+        sender_->enqueue_send(send_seq_, regions, stream.stream());
+      }
+    } catch (const std::exception& error) {
+      failed_send_ = "message " + std::to_string(send_seq_) + ": " + error.what();
+      throw;
     }
     if (!on_caller_stream) {
       // Keeps the caching allocator from reusing their memory before the copies have read it.
@@ -221,11 +239,6 @@ class IpcChannel {
       }
     }
     ++send_seq_;
-    // Posted after the enqueue, so the receiver never waits on the device for a copy never issued.
-    // Read without receiver_mutex_: only this thread posts.
-    const DataNote note{direct ? post->post : 0, receiver_.posts_ordered_before(caller)};
-    if (direct) ++direct_sends_;
-    host_sender_.send_bytes(&note, sizeof(note), direct ? kTagDataDirect : kTagData);
     return 0;
   }
 
@@ -233,6 +246,16 @@ class IpcChannel {
     Entries incoming;
     {
       py::gil_scoped_release no_gil;
+      // A layout seen twice in a row is predicted for the next messages; a new one may be a one-off.
+      // The posts for later messages go out while the peer's note is still on its way, off the path
+      // from its arrival to this call's return (a change of layout in this message leaves them
+      // unused, as the posts made before it are).
+      const bool posted_early = last_layout_repeated_;
+      if (posted_early) {
+        const c10::cuda::CUDAGuard guard(device_);
+        const std::lock_guard<std::mutex> lock(receiver_mutex_);
+        post_ahead(recv_seq_ + 1, caller_stream().stream());
+      }
       Message message = host_receiver_.recv();
       bool layout_changed = false;
       if (message.tag == kTagMeta) {
@@ -254,10 +277,10 @@ class IpcChannel {
       const c10::cuda::CUDAGuard guard(device_);
       const c10::cuda::CUDAStream caller = caller_stream();
       const std::lock_guard<std::mutex> lock(receiver_mutex_);
-      // A layout seen twice in a row is predicted for the next messages; a new one may be a one-off.
       // Posted ahead of this message's wait, the posts' counter writes stay off the stream's
       // critical path.
-      if (!layout_changed) post_ahead(recv_seq_ + 1, caller.stream());
+      if (!layout_changed && !posted_early) post_ahead(recv_seq_ + 1, caller.stream());
+      last_layout_repeated_ = !layout_changed;
       if (direct) {
         const PostedBuffer* post = find_post(recv_seq_, post_number);
         if (post == nullptr || (post->layout != received_ && post->layout->meta != received_->meta)) {
@@ -473,6 +496,8 @@ class IpcChannel {
   uint64_t next_post_ = 0;
   bool direct_enabled_ = true;
   bool posting_enabled_ = true;
+  std::string failed_send_;  // why a send failed after its note went out; empty while none did
+  bool last_layout_repeated_ = false;  // the last message received came without a new layout
   uint64_t direct_sends_ = 0;
   uint64_t direct_recvs_ = 0;
 };

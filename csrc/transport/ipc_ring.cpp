@@ -777,6 +777,11 @@ IpcRingSender::PeerAllocation* IpcRingSender::map_peer_allocation(const cudaIpcM
   return &peer_allocations_.back();
 }
 
+bool IpcRingSender::can_map(const cudaIpcMemHandle_t& handle) {
+  DeviceGuard guard(device_, error_prefix_);
+  return map_peer_allocation(handle) != nullptr;
+}
+
 void IpcRingSender::update(const std::string& handles) {
   IpcRingHandleInfo info;
   try {

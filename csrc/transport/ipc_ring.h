@@ -210,6 +210,11 @@ class IpcRingSender {
                            size_t capacity, const CopyRegion* regions, size_t count, cudaStream_t stream,
                            bool posted_passed = false);
 
+  // Maps the receiver allocation `handle` names (or finds it mapped). False, with the runtime's error
+  // cleared, when it cannot be mapped here; after true, enqueue_send_direct with that handle does not
+  // return false.
+  bool can_map(const cudaIpcMemHandle_t& handle);
+
   // Enqueues on `stream` a wait until the receiver has copied message seq out of its slot
   // (ack[slot] >= round). For flushing or timing; the host does not block. Only for a message sent
   // by the slot path: direct messages are never acknowledged.
