@@ -52,10 +52,9 @@ class IpcChannel(Channel):
         return self._recv()
 
     def _shrink(self, slot_bytes):
-        raise NotImplementedError(
-            f"{self._describe_direction('receive')}: shrink: the ipc backend keeps the device slots it grew until "
-            "close(); messages of a repeating layout go to posted buffers, not slots"
-        )
+        # The peer may already be sending the next num_slots messages into the old slots: the smaller
+        # ones take over after those, and the old memory then goes back to torch's caching allocator.
+        return self._native.shrink(slot_bytes)
 
     @property
     def direct_messages(self) -> tuple[int, int]:

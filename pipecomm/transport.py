@@ -179,9 +179,12 @@ class Channel:
     def shrink(self, slot_bytes: int | None = None) -> bool:
         """Gives back the memory this end's incoming slots grew to for large messages.
 
-        The slots become ``slot_bytes`` (default: the size ``connect`` was given) if that is smaller
-        and no message to this end is in flight; later large messages grow them again. Returns
-        whether they shrank.
+        The slots become ``slot_bytes`` (default: the size ``connect`` was given) if that is smaller;
+        later large messages grow them again. Returns whether they shrank. Over shared memory that
+        happens at once and only while no message to this end is in flight. Over CUDA IPC the peer
+        may already be copying its next ``num_slots`` messages into the old slots, so the smaller
+        ones take over after those and the old memory then returns to torch's caching allocator
+        (``torch.cuda.memory_allocated`` drops; ``empty_cache`` or memory pressure frees it).
         """
         self._check_open("shrink")
         if slot_bytes is not None and slot_bytes < 1:

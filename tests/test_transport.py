@@ -121,8 +121,10 @@ def test_auto_picks_the_same_host_transport(tmp_path, kind, expected):
     assert run_ranks(2, auto_backend, tmp_path, kind) == [expected, expected]
 
 
-def stress(rank: int, world_size: int, backend: str, kind: str, count: int, max_bytes: int) -> int:
-    """Random sizes (0 B to max_bytes) and random delays on both sides, in both directions at once."""
+def stress(rank: int, world_size: int, backend: str, kind: str, count: int, max_bytes: int,
+           shrink_probability: float = 0.0) -> int:
+    """Random sizes (0 B to max_bytes) and random delays on both sides, in both directions at once;
+    each end shrinks its incoming slots now and then when shrink_probability is set."""
     peer = 1 - rank
     device = rank_device(rank, kind)
     rng = random.Random(1234)
@@ -141,6 +143,8 @@ def stress(rank: int, world_size: int, backend: str, kind: str, count: int, max_
             stamp = torch.tensor([seq, rank], dtype=torch.int64, device=device)
             if delays.random() < 0.05:
                 time.sleep(delays.random() * 0.002)
+            if delays.random() < shrink_probability:
+                channel.shrink()
             got = channel.send_recv([payload(seq, rank), stamp])
             if not (torch.equal(got[0], payload(seq, peer)) and got[1].tolist() == [seq, peer]):
                 corrupted += 1
@@ -167,6 +171,13 @@ def test_ipc_stress_with_small_messages_on_sms(tmp_path, monkeypatch):
     assert run_ranks(2, stress, tmp_path, "ipc", "cuda", 3000, 3 << 20, timeout=120) == [0, 0]
 
 
+@needs_cuda
+def test_ipc_stress_with_shrinks(tmp_path):
+    # Shrinks land while the peer may be sending into the old slots, and grows for earlier messages
+    # arrive while a shrink for a later one is pending: every message must still come out exact.
+    assert run_ranks(2, stress, tmp_path, "ipc", "cuda", 2000, 3 << 20, 0.03, timeout=120) == [0, 0]
+
+
 def shrink_after_large_messages(rank: int, world_size: int, backend: str, kind: str) -> list:
     device = rank_device(rank, kind)
     big = torch.arange(1 << 18, dtype=torch.float32, device=device)  # 1 MB: grows rank 1's 4 KB slots
@@ -174,10 +185,6 @@ def shrink_after_large_messages(rank: int, world_size: int, backend: str, kind: 
     store = dist.distributed_c10d._get_default_store()
     results = []
     with transport.connect(1 - rank, backend=backend, device=device, timeout=30, slot_bytes=4096) as channel:
-        if backend == "ipc":
-            with pytest.raises(NotImplementedError, match="keeps the device slots"):
-                channel.shrink()
-            return results if rank == 0 else ["ipc"]
         if rank == 0:
             channel.send([big])
             channel.recv()  # rank 1 has shrunk its slots
@@ -208,11 +215,50 @@ def shrink_after_large_messages(rank: int, world_size: int, backend: str, kind: 
     [
         ("shm", "cpu", [True, False, False, True]),
         ("dist", "cpu", [False, False, False, False]),  # no slots to give back
-        pytest.param("ipc", "cuda", ["ipc"], marks=needs_cuda),
+        # The smaller slots take over num_slots + 1 messages later, so big * 2 still fits the grown ones
+        # and the last shrink finds them small already.
+        pytest.param("ipc", "cuda", [True, False, False, False], marks=needs_cuda),
     ],
 )
 def test_shrink_gives_back_grown_slots_only_when_nothing_is_in_flight(tmp_path, backend, kind, expected):
     assert run_ranks(2, shrink_after_large_messages, tmp_path, backend, kind, timeout=60) == [[], expected]
+
+
+def ipc_shrink_gives_memory_back(rank: int, world_size: int) -> list:
+    device = rank_device(rank, "cuda")
+    slot_bytes, num_slots = 4096, 4
+    # 4 MB messages of a new shape each time, so none goes to a posted buffer: only the slots hold them.
+    bigs = [torch.full((1 << 20) - index, float(index), device=device) for index in range(3)]
+    smalls = [torch.full((8,), float(index), device=device) for index in range(num_slots + 6)]
+    with transport.connect(1 - rank, backend="ipc", device=device, timeout=30, slot_bytes=slot_bytes) as channel:
+        if rank == 0:
+            for big in bigs:
+                channel.send([big])
+            channel.recv()  # rank 1 has shrunk its slots
+            for small in smalls:
+                channel.send([small])
+            channel.recv()
+            channel.send([bigs[0] * 2])  # the slots grow again
+            return []
+        for big in bigs:
+            assert torch.equal(channel.recv()[0], big)
+        torch.cuda.synchronize(device)
+        grown = torch.cuda.memory_allocated(device)
+        shrank = channel.shrink()
+        channel.send([smalls[0]])
+        for small in smalls:
+            assert torch.equal(channel.recv()[0], small)
+        torch.cuda.synchronize(device)
+        given_back = grown - torch.cuda.memory_allocated(device)
+        channel.send([smalls[0]])
+        assert torch.equal(channel.recv()[0], bigs[0] * 2)
+        # The four 4 MB slots, less the new small ones and the small messages' buffers.
+        return [shrank, given_back >= num_slots * bigs[0].nbytes - (1 << 20)]
+
+
+@needs_cuda
+def test_ipc_shrink_gives_the_grown_slots_back_to_the_caching_allocator(tmp_path):
+    assert run_ranks(2, ipc_shrink_gives_memory_back, tmp_path, timeout=60) == [[], [True, True]]
 
 
 def timeout_then_close(rank: int, world_size: int, backend: str, kind: str) -> str:

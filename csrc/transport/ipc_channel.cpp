@@ -120,6 +120,50 @@ void check_cuda(cudaError_t error, const char* call) {
   TORCH_CHECK(error == cudaSuccess, "pipecomm ipc channel: ", call, " failed: ", cudaGetErrorString(error));
 }
 
+// Ring data generations from torch's caching allocator, so a shrink (or a grow's superseded
+// generation) gives memory back without a cudaFree, which may synchronize the device. They are
+// allocated on a stream of their own: the allocator hands a block to a stream once that stream is past
+// its last use, and a peer's copies into a generation follow no stream of this process, so no block
+// may come with work of other streams still pending on it. Torch reuses given-back memory elsewhere
+// after torch.cuda.empty_cache() or, by itself, under memory pressure.
+class CachingGenerationAllocator final : public GenerationAllocator {
+ public:
+  explicit CachingGenerationAllocator(at::Device device) : device_(device) {
+    const c10::cuda::CUDAGuard guard(device_);
+    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  }
+  ~CachingGenerationAllocator() override { (void)cudaStreamDestroy(stream_); }
+
+  void* allocate(size_t bytes) override {
+    const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream_, device_.index()));
+    try {
+      held_.push_back(at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(device_)));
+    } catch (const c10::OutOfMemoryError&) {
+      return nullptr;  // the ring then tries cudaMalloc and reports a failure in its own words
+    }
+    return held_.back().data_ptr();
+  }
+
+  void release(void* data, const std::vector<cudaStream_t>& readers) noexcept override {
+    auto it = std::find_if(held_.begin(), held_.end(), [&](const at::Tensor& memory) { return memory.data_ptr() == data; });
+    if (it == held_.end()) return;
+    try {
+      for (cudaStream_t reader : readers) {
+        c10::cuda::CUDACachingAllocator::recordStream(it->storage().data_ptr(),
+                                                      c10::cuda::getStreamFromExternal(reader, device_.index()));
+      }
+    } catch (...) {
+      return;  // kept for the process's life rather than reused under a reader
+    }
+    held_.erase(it);
+  }
+
+ private:
+  at::Device device_;
+  cudaStream_t stream_ = nullptr;
+  std::vector<at::Tensor> held_;  // the receiver's lock (receiver_mutex_) covers every call
+};
+
 class IpcChannel {
  public:
   IpcChannel(const std::string& incoming_name, const std::string& outgoing_name, int self_rank, int peer_rank,
@@ -136,7 +180,8 @@ class IpcChannel {
                         std::to_string(peer_rank)),
         receive_direction_("pipecomm ipc channel rank " + std::to_string(peer_rank) + " -> rank " +
                            std::to_string(self_rank)),
-        receiver_(device, num_slots, slot_bytes, receive_direction_),
+        receiver_(device, num_slots, slot_bytes, receive_direction_,
+                  std::make_unique<CachingGenerationAllocator>(device_)),
         stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())),
         // A sender decides on message n once its host ring took message n - 1, i.e. once this end
         // released message n - 1 - num_slots: posting num_slots + 1 ahead of each release keeps a
@@ -337,6 +382,20 @@ class IpcChannel {
 
   void update(const std::string& peer_handles) { sender_->update(peer_handles); }
 
+  // Gives the incoming slots a smaller generation, from a message the peer cannot have reached: it may
+  // be num_slots + 1 messages ahead of what this end has received (its notes fill the host ring, and it
+  // looks for new generations before each send). The old generation goes back to torch's caching
+  // allocator once the messages before that one are received. Returns whether it shrank; not when the
+  // slots are no bigger than slot_bytes, nor while the post ring is full (the peer is not sending).
+  bool shrink(size_t slot_bytes) {
+    const std::lock_guard<std::mutex> lock(receiver_mutex_);
+    const size_t rounded = (slot_bytes + kIpcSlotAlignment - 1) / kIpcSlotAlignment * kIpcSlotAlignment;
+    if (rounded >= receiver_.slot_bytes() || !post_sender_.can_send_now()) return false;
+    const std::string handles = receiver_.resize(slot_bytes, recv_seq_ + receiver_.num_slots() + 1);
+    post_sender_.send_bytes(handles.data(), handles.size(), kTagGeneration);
+    return true;
+  }
+
   bool transfers_done() const { return cudaStreamQuery(stream_.stream()) == cudaSuccess; }
 
   // For a peer that died with copies still queued: the rings then leak their memory instead of
@@ -381,30 +440,43 @@ class IpcChannel {
     check_cuda(cudaStreamWaitEvent(stream_.stream(), caller_done_, 0), "cudaStreamWaitEvent");
   }
 
-  // The peer's newest post for the next message if it has arrived and was made for this layout and
-  // size. Never waits: a message without one goes by slot, so no send depends on the peer receiving.
-  const PostRecord* post_for_next_message(uint64_t digest, size_t bytes) {
-    if (!direct_enabled_) return nullptr;
-    for (;;) {
+  // Takes in what the peer put on the post ring: resized data generations, which the next send must
+  // see (shrink() relies on it), and posts, kept while the direct path is on. Never waits.
+  void drain_post_ring() {
+    while (post_ring_open_) {
       std::optional<Message> message;
       try {
         message = post_receiver_.try_recv();
       } catch (const ChannelError&) {
-        // The peer closed or died; the data ring reports that, and no more posts will come.
+        // The peer closed or died; the data ring reports that, and nothing more will come.
+        post_ring_open_ = false;
         direct_enabled_ = false;
-        return nullptr;
+        return;
       }
-      if (!message) break;
+      if (!message) return;
+      if (message->tag == kTagGeneration) {
+        const std::string handles(static_cast<const char*>(message->data), message->bytes);
+        post_receiver_.release(message->seq);
+        sender_->update(handles);
+        continue;
+      }
       if (message->tag != kTagPost || message->bytes != sizeof(PostRecord)) {
         throw ProtocolError(send_direction_ + ": post ring message " + std::to_string(message->seq) + " has tag " +
                             std::to_string(message->tag) + " and " + std::to_string(message->bytes) +
-                            " bytes, not a post record");
+                            " bytes, neither a post record nor data generation handles");
       }
       PostRecord record;
       std::memcpy(&record, message->data, sizeof(record));
       post_receiver_.release(message->seq);
-      if (record.seq >= send_seq_) peer_posts_.push_back(record);
+      if (direct_enabled_ && record.seq >= send_seq_) peer_posts_.push_back(record);
     }
+  }
+
+  // The peer's newest post for the next message if it has arrived and was made for this layout and
+  // size. Never waits: a message without one goes by slot, so no send depends on the peer receiving.
+  const PostRecord* post_for_next_message(uint64_t digest, size_t bytes) {
+    drain_post_ring();
+    if (!direct_enabled_) return nullptr;
     peer_posts_.erase(std::remove_if(peer_posts_.begin(), peer_posts_.end(),
                                      [&](const PostRecord& record) { return record.seq < send_seq_; }),
                       peer_posts_.end());
@@ -495,6 +567,7 @@ class IpcChannel {
   std::deque<PostedBuffer> posts_;
   uint64_t next_post_ = 0;
   bool direct_enabled_ = true;
+  bool post_ring_open_ = true;
   bool posting_enabled_ = true;
   std::string failed_send_;  // why a send failed after its note went out; empty while none did
   bool last_layout_repeated_ = false;  // the last message received came without a new layout
@@ -515,6 +588,7 @@ void register_ipc_channel(py::module_& module) {
       .def("recv", &IpcChannel::recv)
       .def("grow", &IpcChannel::grow, py::arg("min_slot_bytes"), py::arg("first_seq"))
       .def("update", &IpcChannel::update, py::arg("peer_handles"))
+      .def("shrink", &IpcChannel::shrink, py::arg("slot_bytes"), py::call_guard<py::gil_scoped_release>())
       .def("transfers_done", &IpcChannel::transfers_done)
       .def("abandon", &IpcChannel::abandon)
       .def("close", &IpcChannel::close)

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <mutex>
 #include <utility>
@@ -24,7 +25,7 @@ namespace pipecomm::transport {
 namespace {
 
 constexpr uint32_t kMagic = 0x52435049;  // "IPCR" in memory order on little-endian hosts
-constexpr uint32_t kFormatVersion = 2;  // 2: the flags hold a `posted` line after ack[K]
+constexpr uint32_t kFormatVersion = 3;  // 2: the flags hold a `posted` line after ack[K]; 3: data offset
 constexpr size_t kBusIdBytes = 32;
 constexpr size_t kFlagLineBytes = 64;  // every counter in its own line
 constexpr uint32_t kMaxSlots = 1u << 16;
@@ -48,7 +49,8 @@ constexpr size_t kOffReserved = kOffGeneration + 4;   // 60
 constexpr size_t kOffFirstSeq = kOffReserved + 4;     // 64
 constexpr size_t kOffFlagsHandle = kOffFirstSeq + 8;  // 72
 constexpr size_t kOffDataHandle = kOffFlagsHandle + sizeof(cudaIpcMemHandle_t);
-constexpr size_t kBlobBytes = kOffDataHandle + sizeof(cudaIpcMemHandle_t);
+constexpr size_t kOffDataOffset = kOffDataHandle + sizeof(cudaIpcMemHandle_t);  // of the data in its allocation
+constexpr size_t kBlobBytes = kOffDataOffset + 8;
 static_assert(sizeof(cudaIpcMemHandle_t) == 64, "unexpected cudaIpcMemHandle_t size");
 
 using StreamMemOpFn = CUresult(CUDAAPI*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
@@ -363,15 +365,44 @@ void release_after_sync(int device, Release&& release) noexcept {
   (void)cudaGetLastError();
 }
 
-// The newest generation whose first message is at or before seq: where message seq lives.
+// Whether generation a wins over b for a message both could hold: the later start, the newer on a tie.
 template <typename Generation>
-const Generation& generation_holding(const std::vector<Generation>& generations, uint64_t seq,
-                                     const std::string& error_prefix) {
-  for (auto it = generations.rbegin(); it != generations.rend(); ++it) {
-    if (it->first_seq <= seq) return *it;
+bool supersedes(const Generation& a, const Generation& b) {
+  return a.first_seq != b.first_seq ? a.first_seq > b.first_seq : a.generation > b.generation;
+}
+
+// Where message seq lives: of the generations starting at or before it, the one that supersedes the rest.
+template <typename Generations>
+auto* generation_holding(Generations& generations, uint64_t seq, const std::string& error_prefix) {
+  decltype(&generations.front()) holder = nullptr;
+  for (auto& generation : generations) {
+    if (generation.first_seq <= seq && (holder == nullptr || supersedes(generation, *holder))) holder = &generation;
   }
-  throw ProtocolError(error_prefix + ": no data generation holds message " + std::to_string(seq) +
-                      " (the oldest starts at message " + std::to_string(generations.front().first_seq) + ")");
+  if (holder == nullptr) {
+    throw ProtocolError(error_prefix + ": no data generation holds message " + std::to_string(seq));
+  }
+  return holder;
+}
+
+// Moves out of `generations` those no message from next_seq on can reach, i.e. superseded by one that
+// starts at or before next_seq (generations made later start there or later, so they never revive one).
+template <typename Generation>
+std::vector<Generation> take_superseded(std::vector<Generation>& generations, uint64_t next_seq) {
+  std::vector<Generation> superseded;
+  const Generation* current = nullptr;
+  for (const Generation& generation : generations) {
+    if (generation.first_seq <= next_seq && (current == nullptr || supersedes(generation, *current))) {
+      current = &generation;
+    }
+  }
+  if (current == nullptr) return superseded;
+  const uint32_t keep = current->generation;
+  auto kept = std::stable_partition(generations.begin(), generations.end(), [&](const Generation& generation) {
+    return generation.generation == keep || generation.first_seq > next_seq;
+  });
+  std::move(kept, generations.end(), std::back_inserter(superseded));
+  generations.erase(kept, generations.end());
+  return superseded;
 }
 
 // Receiver allocations mapped in this process, shared by every sender in it: the runtime maps an
@@ -455,10 +486,12 @@ IpcRingHandleInfo parse_ipc_ring_handles(const std::string& handles) {
 // ---------------------------------------------------------------------------------------------------
 // Receiver
 
-IpcRingReceiver::IpcRingReceiver(int device, uint32_t num_slots, size_t slot_bytes, std::string error_prefix)
+IpcRingReceiver::IpcRingReceiver(int device, uint32_t num_slots, size_t slot_bytes, std::string error_prefix,
+                                 std::unique_ptr<GenerationAllocator> allocator)
     : device_(device),
       num_slots_(num_slots),
       error_prefix_(prefix_or_default(std::move(error_prefix))),
+      allocator_(std::move(allocator)),
       sm_max_bytes_(sm_max_bytes_from_environment(error_prefix_)) {
   if (num_slots == 0 || num_slots > kMaxSlots) {
     throw ProtocolError(error_prefix_ + ": num_slots must be in [1, " + std::to_string(kMaxSlots) + "], got " +
@@ -494,11 +527,19 @@ void IpcRingReceiver::release_all() noexcept {
   if (abandoned_ || (flags_ == nullptr && generations_.empty())) return;
   // Receives still queued may read any generation: release_after_sync lets them finish first.
   release_after_sync(device_, [&] {
-    for (Generation& generation : generations_) (void)cudaFree(generation.data);
+    for (Generation& generation : generations_) {
+      if (generation.from_allocator) {
+        allocator_->release(generation.data, generation.readers);
+      } else {
+        (void)cudaFree(generation.data);
+      }
+    }
+    for (void* data : superseded_owned_) (void)cudaFree(data);
     if (flags_ != nullptr) (void)cudaFree(flags_);
     if (post_fence_ != nullptr) (void)cudaEventDestroy(post_fence_);
   });
   generations_.clear();
+  superseded_owned_.clear();
   flags_ = nullptr;
   post_fence_ = nullptr;
 }
@@ -512,19 +553,53 @@ void IpcRingReceiver::add_generation(size_t slot_bytes, uint64_t first_seq) {
   }
   const size_t total = rounded * num_slots_;
   Generation generation{};
-  generation.generation = generations_.empty() ? 0 : generations_.back().generation + 1;
+  generation.generation = next_generation_;
   generation.first_seq = first_seq;
   generation.slot_bytes = rounded;
-  check_cuda(cudaMalloc(&generation.data, total), error_prefix_, "cudaMalloc",
-             "ring data generation " + std::to_string(generation.generation) + ", " + std::to_string(num_slots_) +
-                 " slots of " + std::to_string(rounded) + " bytes on device " + std::to_string(device_));
-  const cudaError_t error = cudaIpcGetMemHandle(&generation.handle, generation.data);
-  if (error != cudaSuccess) {
-    (void)cudaFree(generation.data);
-    check_cuda(error, error_prefix_, "cudaIpcGetMemHandle",
-               "ring data generation " + std::to_string(generation.generation));
+  const auto what = [&] {
+    return "ring data generation " + std::to_string(generation.generation) + ", " + std::to_string(num_slots_) +
+           " slots of " + std::to_string(rounded) + " bytes on device " + std::to_string(device_);
+  };
+  if (allocator_) {
+    generation.data = allocator_->allocate(total);
+    if (generation.data != nullptr) {
+      if (export_pointer(generation.data, &generation.handle, &generation.offset)) {
+        generation.from_allocator = true;
+      } else {
+        allocator_->release(generation.data, {});  // not exportable (expandable segments, say)
+        generation.data = nullptr;
+      }
+    }
   }
-  generations_.push_back(generation);
+  if (!generation.from_allocator) {
+    check_cuda(cudaMalloc(&generation.data, total), error_prefix_, "cudaMalloc", what());
+    const cudaError_t error = cudaIpcGetMemHandle(&generation.handle, generation.data);
+    if (error != cudaSuccess) {
+      (void)cudaFree(generation.data);
+      check_cuda(error, error_prefix_, "cudaIpcGetMemHandle", what());
+    }
+    generation.offset = 0;
+  }
+  generations_.push_back(std::move(generation));
+  ++next_generation_;
+}
+
+const IpcRingReceiver::Generation& IpcRingReceiver::latest() const {
+  const Generation* newest = &generations_.front();
+  for (const Generation& generation : generations_) {
+    if (supersedes(generation, *newest)) newest = &generation;
+  }
+  return *newest;
+}
+
+void IpcRingReceiver::give_back_superseded() noexcept {
+  for (Generation& generation : take_superseded(generations_, next_seq_)) {
+    if (generation.from_allocator) {
+      allocator_->release(generation.data, generation.readers);
+    } else {
+      superseded_owned_.push_back(generation.data);  // cudaFree may synchronize the device: not now
+    }
+  }
 }
 
 std::string IpcRingReceiver::serialize(const Generation& generation) const {
@@ -539,27 +614,36 @@ std::string IpcRingReceiver::serialize(const Generation& generation) const {
   put<uint64_t>(blob, kOffFirstSeq, generation.first_seq);
   std::memcpy(&blob[kOffFlagsHandle], &flags_handle_, sizeof(flags_handle_));
   std::memcpy(&blob[kOffDataHandle], &generation.handle, sizeof(generation.handle));
+  put<uint64_t>(blob, kOffDataOffset, static_cast<uint64_t>(generation.offset));
   return blob;
 }
 
-std::string IpcRingReceiver::export_handles() const { return serialize(generations_.back()); }
+std::string IpcRingReceiver::export_handles() const { return serialize(latest()); }
+
+void IpcRingReceiver::check_not_received(uint64_t first_seq) const {
+  if (first_seq < next_seq_) {
+    throw ProtocolError(error_prefix_ + ": cannot start a data generation at message " + std::to_string(first_seq) +
+                        ": message " + std::to_string(next_seq_ - 1) + " was already received");
+  }
+}
+
+std::string IpcRingReceiver::resize(size_t slot_bytes, uint64_t first_seq) {
+  check_not_received(first_seq);
+  DeviceGuard guard(device_, error_prefix_);
+  add_generation(slot_bytes, first_seq);
+  return serialize(generations_.back());
+}
 
 std::string IpcRingReceiver::grow(size_t min_slot_bytes, uint64_t first_seq) {
-  if (first_seq < next_seq_ || first_seq < generations_.back().first_seq) {
-    throw ProtocolError(error_prefix_ + ": cannot start a data generation at message " + std::to_string(first_seq) +
-                        ": message " + std::to_string(std::max(next_seq_, generations_.back().first_seq)) +
-                        " already uses the current one");
-  }
-  const size_t old_bytes = generations_.back().slot_bytes;
+  check_not_received(first_seq);  // before the lookup, which fails for a message given back
+  const size_t old_bytes = generation_holding(generations_, first_seq, error_prefix_)->slot_bytes;
   const size_t doubled = old_bytes > std::numeric_limits<size_t>::max() / 2 ? old_bytes : old_bytes * 2;
-  DeviceGuard guard(device_, error_prefix_);
-  add_generation(std::max(min_slot_bytes, doubled), first_seq);
-  return serialize(generations_.back());
+  return resize(std::max(min_slot_bytes, doubled), first_seq);
 }
 
 void IpcRingReceiver::enqueue_receive(uint64_t seq, const CopyRegion* regions, size_t count, cudaStream_t stream) {
   check_next_seq(seq, next_seq_, error_prefix_, "enqueue_receive");
-  const Generation& generation = generation_holding(generations_, seq, error_prefix_);
+  Generation& generation = *generation_holding(generations_, seq, error_prefix_);
   check_regions(regions, count, generation.slot_bytes, generation.generation, seq, error_prefix_);
   const DriverApi& api = driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
@@ -573,7 +657,11 @@ void IpcRingReceiver::enqueue_receive(uint64_t seq, const CopyRegion* regions, s
   Step step = copy_step(regions, count, slot_data, /*into_slot=*/false, {position.ack, position.round, "ack"});
   step.wait(position.ready, position.round, "ready");
   enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "out of the slot, " + what(); });
+  if (std::find(generation.readers.begin(), generation.readers.end(), stream) == generation.readers.end()) {
+    generation.readers.push_back(stream);
+  }
   ++next_seq_;
+  if (generations_.size() > 1) give_back_superseded();
 }
 
 void IpcRingReceiver::enqueue_receive_direct(uint64_t seq, size_t bytes, cudaStream_t stream) {
@@ -586,6 +674,7 @@ void IpcRingReceiver::enqueue_receive_direct(uint64_t seq, size_t bytes, cudaStr
   step.message_bytes = bytes;
   enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return position.describe(seq) + ", direct"; });
   ++next_seq_;
+  if (generations_.size() > 1) give_back_superseded();
 }
 
 bool IpcRingReceiver::export_pointer(const void* pointer, cudaIpcMemHandle_t* handle, size_t* offset) {
@@ -698,15 +787,7 @@ IpcRingSender::IpcRingSender(int device, const std::string& receiver_handles, st
                                     cudaIpcMemLazyEnablePeerAccess),
                error_prefix_, "cudaIpcOpenMemHandle",
                "ring flags of pid " + std::to_string(owner_pid_) + " on " + pci_bus_id_);
-    Generation generation{};
-    generation.generation = info.generation;
-    generation.first_seq = info.first_seq;
-    generation.slot_bytes = static_cast<size_t>(info.slot_bytes);
-    check_cuda(cudaIpcOpenMemHandle(&generation.data, handle_at(receiver_handles, kOffDataHandle),
-                                    cudaIpcMemLazyEnablePeerAccess),
-               error_prefix_, "cudaIpcOpenMemHandle",
-               "ring data generation " + std::to_string(info.generation) + " of pid " + std::to_string(owner_pid_));
-    generations_.push_back(generation);
+    map_generation(info, receiver_handles);
   } catch (...) {
     release_all();
     throw;
@@ -719,7 +800,7 @@ void IpcRingSender::release_all() noexcept {
   if (abandoned_ || (flags_ == nullptr && generations_.empty())) return;
   // Sends still queued may touch any mapping: release_after_sync lets them finish first.
   release_after_sync(device_, [&] {
-    for (Generation& generation : generations_) (void)cudaIpcCloseMemHandle(generation.data);
+    for (Generation& generation : generations_) peer_mappings().release(generation.base);
     if (flags_ != nullptr) (void)cudaIpcCloseMemHandle(flags_);
     for (PeerAllocation& allocation : peer_allocations_) peer_mappings().release(allocation.base);
     unmap_retired_allocations(/*all=*/true);
@@ -760,15 +841,7 @@ IpcRingSender::PeerAllocation* IpcRingSender::map_peer_allocation(const cudaIpcM
     auto victim =
         std::min_element(peer_allocations_.begin(), peer_allocations_.end(),
                          [](const PeerAllocation& a, const PeerAllocation& b) { return a.last_use < b.last_use; });
-    RetiredAllocation retired{victim->base, {}};
-    for (cudaStream_t stream : victim->streams) {
-      cudaEvent_t fence = nullptr;
-      check_cuda(cudaEventCreateWithFlags(&fence, cudaEventDisableTiming), error_prefix_, "cudaEventCreateWithFlags",
-                 "unmap fence");
-      retired.fences.push_back(fence);
-      check_cuda(cudaEventRecord(fence, stream), error_prefix_, "cudaEventRecord", "unmap fence");
-    }
-    retired_allocations_.push_back(std::move(retired));
+    retire(victim->base, victim->streams);
     peer_allocations_.erase(victim);
   }
   void* base = peer_mappings().acquire(handle);
@@ -780,6 +853,43 @@ IpcRingSender::PeerAllocation* IpcRingSender::map_peer_allocation(const cudaIpcM
 bool IpcRingSender::can_map(const cudaIpcMemHandle_t& handle) {
   DeviceGuard guard(device_, error_prefix_);
   return map_peer_allocation(handle) != nullptr;
+}
+
+void IpcRingSender::retire(char* base, const std::vector<cudaStream_t>& streams) {
+  RetiredAllocation retired{base, {}};
+  for (cudaStream_t stream : streams) {
+    cudaEvent_t fence = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&fence, cudaEventDisableTiming), error_prefix_, "cudaEventCreateWithFlags",
+               "unmap fence");
+    retired.fences.push_back(fence);
+    check_cuda(cudaEventRecord(fence, stream), error_prefix_, "cudaEventRecord", "unmap fence");
+  }
+  retired_allocations_.push_back(std::move(retired));
+}
+
+void IpcRingSender::retire_superseded() {
+  for (const Generation& generation : take_superseded(generations_, next_seq_)) retire(generation.base, generation.writers);
+  unmap_retired_allocations(/*all=*/false);
+}
+
+void IpcRingSender::map_generation(const IpcRingHandleInfo& info, const std::string& handles) {
+  auto* base = static_cast<char*>(peer_mappings().acquire(handle_at(handles, kOffDataHandle)));
+  if (base == nullptr) {
+    throw ChannelError(error_prefix_ + ": cudaIpcOpenMemHandle failed (ring data generation " +
+                       std::to_string(info.generation) + " of pid " + std::to_string(owner_pid_) + " on " +
+                       pci_bus_id_ + ")");
+  }
+  const size_t offset = static_cast<size_t>(get<uint64_t>(handles, kOffDataOffset));
+  generations_.push_back({info.generation, info.first_seq, static_cast<size_t>(info.slot_bytes), base, base + offset, {}});
+  known_generations_.push_back(info.generation);
+}
+
+size_t IpcRingSender::slot_bytes() const {
+  return generation_holding(generations_, next_seq_, error_prefix_)->slot_bytes;
+}
+
+uint32_t IpcRingSender::generation() const {
+  return generation_holding(generations_, next_seq_, error_prefix_)->generation;
 }
 
 void IpcRingSender::update(const std::string& handles) {
@@ -796,29 +906,22 @@ void IpcRingSender::update(const std::string& handles) {
                         std::to_string(info.num_slots) + " slots; connected to pid " + std::to_string(owner_pid_) +
                         " on " + pci_bus_id_ + ", " + std::to_string(num_slots_) + " slots)");
   }
-  const Generation& newest = generations_.back();
-  if (info.generation <= newest.generation) return;  // already mapped (or superseded)
-  if (info.first_seq < next_seq_ || info.first_seq < newest.first_seq) {
+  if (std::find(known_generations_.begin(), known_generations_.end(), info.generation) != known_generations_.end()) {
+    return;
+  }
+  if (info.first_seq < next_seq_) {
     throw ProtocolError(error_prefix_ + ": update: data generation " + std::to_string(info.generation) +
                         " starts at message " + std::to_string(info.first_seq) + ", but message " +
-                        std::to_string(next_seq_ == 0 ? 0 : next_seq_ - 1) +
-                        " was already sent; the receiver must grow() before enqueue_receive() of the message the"
-                        " sender sends first into the new generation");
+                        std::to_string(next_seq_ - 1) +
+                        " was already sent; the receiver must resize() for a message the sender has not sent");
   }
   DeviceGuard guard(device_, error_prefix_);
-  Generation generation{};
-  generation.generation = info.generation;
-  generation.first_seq = info.first_seq;
-  generation.slot_bytes = static_cast<size_t>(info.slot_bytes);
-  check_cuda(cudaIpcOpenMemHandle(&generation.data, handle_at(handles, kOffDataHandle), cudaIpcMemLazyEnablePeerAccess),
-             error_prefix_, "cudaIpcOpenMemHandle",
-             "ring data generation " + std::to_string(info.generation) + " of pid " + std::to_string(owner_pid_));
-  generations_.push_back(generation);
+  map_generation(info, handles);
 }
 
 void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t count, cudaStream_t stream) {
   check_next_seq(seq, next_seq_, error_prefix_, "enqueue_send");
-  const Generation& generation = generation_holding(generations_, seq, error_prefix_);
+  Generation& generation = *generation_holding(generations_, seq, error_prefix_);
   check_regions(regions, count, generation.slot_bytes, generation.generation, seq, error_prefix_);
   const DriverApi& api = driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
@@ -839,7 +942,11 @@ void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t
   enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "into the peer slot, " + what(); });
   history.slot_round = position.round;
   history.stream = stream;
+  if (std::find(generation.writers.begin(), generation.writers.end(), stream) == generation.writers.end()) {
+    generation.writers.push_back(stream);
+  }
   ++next_seq_;
+  if (generations_.size() > 1) retire_superseded();
 }
 
 bool IpcRingSender::enqueue_send_direct(uint64_t seq, uint64_t post, const cudaIpcMemHandle_t& handle,
@@ -873,6 +980,7 @@ bool IpcRingSender::enqueue_send_direct(uint64_t seq, uint64_t post, const cudaI
   enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "into the posted buffer, " + what(); });
   history.stream = stream;
   ++next_seq_;
+  if (generations_.size() > 1) retire_superseded();
   return true;
 }
 

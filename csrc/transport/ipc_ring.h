@@ -6,8 +6,16 @@
 // The receiver owns, on its device, one flags allocation (ready[K] and ack[K] uint32 counters and one
 // `posted` counter, each in its own 64-byte line, zeroed once and never reallocated) and one data
 // allocation of K slots per generation. Both are exported with cudaIpcGetMemHandle;
-// export_handles()/grow() serialize them and the layer above carries the bytes to the sender (job
+// export_handles()/resize() serialize them and the layer above carries the bytes to the sender (job
 // store, host channel).
+//
+// Generations: each starts at a message seq (first_seq). Message seq lives in the generation with the
+// largest first_seq <= seq, the newer one on a tie; both ends apply that rule, so a generation made
+// for a later message (a shrink, which must start beyond anything the sender may already have
+// enqueued) and one made meanwhile for an earlier message (a grow) can coexist. A generation that no
+// message from an end's next seq on can reach is given back at once: the sender unmaps it once its
+// copies into it are done, the receiver hands it back to its allocator with the streams that read it
+// (the sender's writes precede those reads).
 //
 // Message seq (0, 1, 2, ... per direction) uses slot = seq % K and round = seq / K + 1 (uint32, compared
 // wrap-safely by the GPU). Everything is stream-ordered, the host never blocks. The slot path:
@@ -47,6 +55,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -76,11 +85,26 @@ struct IpcRingHandleInfo {
 // Parses a blob; throws ProtocolError when it is not one.
 IpcRingHandleInfo parse_ipc_ring_handles(const std::string& handles);
 
+// Where a receiver's data generations come from. A caching allocator (torch's) lets a generation go
+// back without cudaFree, which may synchronize the device: a hang while a stream waits on a peer.
+class GenerationAllocator {
+ public:
+  virtual ~GenerationAllocator() = default;
+  // Device memory of the receiver's device, or nullptr when there is none to give.
+  virtual void* allocate(size_t bytes) = 0;
+  // Takes memory back; `readers` (streams of the receiver's device) may still be reading it, so it
+  // must not be reused before they pass their current point.
+  virtual void release(void* data, const std::vector<cudaStream_t>& readers) noexcept = 0;
+};
+
 class IpcRingReceiver {
  public:
   // Allocates flags and the first data generation on `device`. error_prefix starts every error
-  // message, e.g. "pipecomm ipc channel rank 1 -> rank 0".
-  IpcRingReceiver(int device, uint32_t num_slots, size_t slot_bytes, std::string error_prefix = "");
+  // message, e.g. "pipecomm ipc channel rank 1 -> rank 0". Data generations come from `allocator`
+  // when given and exportable there; otherwise from cudaMalloc, and those are freed only at
+  // destruction.
+  IpcRingReceiver(int device, uint32_t num_slots, size_t slot_bytes, std::string error_prefix = "",
+                  std::unique_ptr<GenerationAllocator> allocator = nullptr);
   // Synchronizes the device, then frees every generation (unless abandon() was called).
   ~IpcRingReceiver();
   IpcRingReceiver(const IpcRingReceiver&) = delete;
@@ -89,10 +113,12 @@ class IpcRingReceiver {
   // Serialized handles of the flags and the newest data generation.
   std::string export_handles() const;
 
-  // New data generation with slots of max(min_slot_bytes, 2 * slot_bytes()) bytes (rounded up) for
-  // messages from first_seq on (no earlier than any message already enqueued); returns its
-  // serialized handles, which the sender must update() to before it sends first_seq. Earlier
-  // generations stay allocated until destruction, so receives already enqueued stay valid.
+  // New data generation with slots of slot_bytes (rounded up) for messages from first_seq on (no
+  // earlier than the next message to enqueue); returns its serialized handles, which the sender must
+  // update() to before it sends first_seq. Generations it supersedes are given back once the
+  // receives of their last messages are enqueued.
+  std::string resize(size_t slot_bytes, uint64_t first_seq);
+  // resize() to max(min_slot_bytes, twice the slots that message first_seq would use).
   std::string grow(size_t min_slot_bytes, uint64_t first_seq);
 
   // Enqueues on `stream` (of this end's device): wait ready[slot] >= round, one
@@ -133,8 +159,11 @@ class IpcRingReceiver {
 
   int device() const { return device_; }
   uint32_t num_slots() const { return num_slots_; }
-  size_t slot_bytes() const { return generations_.back().slot_bytes; }
-  uint32_t generation() const { return generations_.back().generation; }
+  // Of the generation that messages from now on end up in (the largest first_seq).
+  size_t slot_bytes() const { return latest().slot_bytes; }
+  uint32_t generation() const { return latest().generation; }
+  // Data generations allocated now, given-back ones excluded.
+  size_t live_generations() const { return generations_.size(); }
   uint64_t next_seq() const { return next_seq_; }
 
  private:
@@ -144,6 +173,9 @@ class IpcRingReceiver {
     size_t slot_bytes;
     void* data;
     cudaIpcMemHandle_t handle;
+    size_t offset;  // of data in the allocation `handle` names
+    bool from_allocator;
+    std::vector<cudaStream_t> readers;
   };
   struct ExportedAllocation {
     unsigned long long buffer_id;
@@ -151,17 +183,23 @@ class IpcRingReceiver {
     cudaIpcMemHandle_t handle;
   };
   void add_generation(size_t slot_bytes, uint64_t first_seq);
+  void check_not_received(uint64_t first_seq) const;
+  const Generation& latest() const;
+  void give_back_superseded() noexcept;
   std::string serialize(const Generation& generation) const;
   void release_all() noexcept;
 
   int device_;
   uint32_t num_slots_;
   std::string error_prefix_;
+  std::unique_ptr<GenerationAllocator> allocator_;
+  std::vector<void*> superseded_owned_;  // cudaMalloc'd generations no message uses, freed at destruction
   size_t sm_max_bytes_;
   std::string pci_bus_id_;
   void* flags_ = nullptr;
   cudaIpcMemHandle_t flags_handle_{};
   std::vector<Generation> generations_;
+  uint32_t next_generation_ = 0;
   uint64_t next_seq_ = 0;
   std::vector<ExportedAllocation> exported_;
   uint64_t next_post_ = 0;
@@ -182,10 +220,9 @@ class IpcRingSender {
   IpcRingSender(const IpcRingSender&) = delete;
   IpcRingSender& operator=(const IpcRingSender&) = delete;
 
-  // Maps a newer data generation (grow() output of the same receiver). Messages from its first_seq
-  // on go there; older mappings stay open until destruction. Throws ProtocolError if this sender
-  // already enqueued first_seq, or the blob is of another receiver. An already-mapped generation
-  // is ignored.
+  // Maps another data generation (resize() output of the same receiver); messages go by the rule
+  // above. Throws ProtocolError if this sender already enqueued first_seq, or the blob is of another
+  // receiver. A generation seen before is ignored.
   void update(const std::string& handles);
 
   // Enqueues on `stream` (of this end's device): wait for the ack of the slot's last slot-path
@@ -226,9 +263,9 @@ class IpcRingSender {
   int peer_device() const { return peer_device_; }  // -1 when not visible in this process
   size_t mapped_peer_allocations() const { return peer_allocations_.size(); }
   uint32_t num_slots() const { return num_slots_; }
-  // Slot size of the newest mapped generation.
-  size_t slot_bytes() const { return generations_.back().slot_bytes; }
-  uint32_t generation() const { return generations_.back().generation; }
+  // Slot size of the generation that message next_seq() goes to.
+  size_t slot_bytes() const;
+  uint32_t generation() const;
   uint64_t next_seq() const { return next_seq_; }
 
  private:
@@ -236,7 +273,9 @@ class IpcRingSender {
     uint32_t generation;
     uint64_t first_seq;
     size_t slot_bytes;
-    void* data;  // mapped in this process
+    char* base;  // the receiver's allocation, mapped in this process
+    char* data;  // base + the generation's offset
+    std::vector<cudaStream_t> writers;
   };
   // A receiver allocation that posted buffers lie in, mapped here. Unmapping waits for every copy
   // into it, so it remembers the streams those ran on.
@@ -257,6 +296,9 @@ class IpcRingSender {
     std::vector<cudaEvent_t> fences;
   };
   PeerAllocation* map_peer_allocation(const cudaIpcMemHandle_t& handle);
+  void map_generation(const IpcRingHandleInfo& info, const std::string& handles);
+  void retire(char* base, const std::vector<cudaStream_t>& streams);
+  void retire_superseded();
   void unmap_retired_allocations(bool all) noexcept;
   void release_all() noexcept;
 
@@ -270,6 +312,7 @@ class IpcRingSender {
   std::string flags_handle_bytes_;
   void* flags_ = nullptr;  // mapped in this process
   std::vector<Generation> generations_;
+  std::vector<uint32_t> known_generations_;  // every generation number mapped so far
   uint64_t next_seq_ = 0;
   std::vector<SlotHistory> slot_history_;
   std::vector<PeerAllocation> peer_allocations_;

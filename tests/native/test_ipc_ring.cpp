@@ -2,7 +2,7 @@
 // CUDA call: process A is the receiver on GPU 0, process B the sender on GPU 1 (or GPU 0 as well when
 // only one GPU is visible or the two cannot reach each other). They exchange the serialized handles
 // and grow requests over a socketpair, and report each case to the parent over a pipe.
-// Usage: test_ipc_ring [case]   (round_trip, direct, stress or bandwidth; all by default)
+// Usage: test_ipc_ring [case]   (round_trip, direct, stress, resize or bandwidth; all by default)
 #include "../../csrc/transport/ipc_ring.h"
 
 #include <cuda_runtime_api.h>
@@ -629,6 +629,195 @@ void stress_sender(Context& ctx, Arena& arena) {
   send_frame(ctx.sock, "done");
 }
 
+// ---- case 2b: a shrink for a later message and a grow for an earlier one, side by side ---------------
+
+constexpr uint32_t kResizeSlots = 4;
+constexpr size_t kResizeInitialSlotBytes = 4096;
+constexpr uint64_t kResizeGrowSeq = 3;  // the first message too big for the initial slots
+constexpr size_t kResizeGrownSlotBytes = 64 * 1024;
+constexpr uint64_t kResizeShrinkSeq = 8;  // the shrunk generation is made before the grow, for a later message
+constexpr size_t kResizeShrunkSlotBytes = 1024;
+constexpr uint64_t kResizeLastFullSeq = 15;
+// Empty, and sent before the generation the receiver makes for it reaches the sender: with no data,
+// the two ends may disagree on its generation without harm.
+constexpr uint64_t kResizeLateSeq = 16;
+constexpr size_t kResizeLateSlotBytes = 2048;
+
+size_t resize_intended_slot_bytes(uint64_t seq) {
+  return seq < kResizeGrowSeq ? kResizeInitialSlotBytes
+                              : seq < kResizeShrinkSeq ? kResizeGrownSlotBytes : kResizeShrunkSlotBytes;
+}
+
+// The second region ends exactly at the end of the slot the message is meant for: a message that
+// went by a smaller slot than intended is refused instead of passing unnoticed.
+std::vector<CopyRegion> resize_layout(uint64_t seq) {
+  if (seq == kResizeLateSeq) return {};
+  const size_t slot = resize_intended_slot_bytes(seq);
+  const size_t tail = slot / 2 - 8 * (seq % 3);
+  return {{nullptr, 0, slot / 4 + seq}, {nullptr, slot - tail, tail}};
+}
+
+std::string resize_grow_request() {
+  return "grow " + std::to_string(kResizeGrowSeq) + " " + std::to_string(kResizeGrownSlotBytes);
+}
+
+void resize_receiver(Context& ctx, Arena& arena) {
+  auto& ring = arena.make<IpcRingReceiver>(ctx.device, kResizeSlots, kResizeInitialSlotBytes,
+                                           "test ipc resize rank 1 -> rank 0");
+  send_frame(ctx.sock, ring.export_handles());
+  cudaStream_t stream = arena.stream();
+  size_t bad_bytes = 0;
+  std::string first_bad;
+  const auto receive = [&](uint64_t seq) {
+    std::vector<CopyRegion> regions = resize_layout(seq);
+    for (auto& region : regions) {
+      region.local = arena.device(region.bytes);
+      CUDA_CHECK(cudaMemsetAsync(region.local, 0xEE, region.bytes, stream));
+    }
+    ring.enqueue_receive(seq, regions, stream);
+    sync_stream(stream, "resize case receive " + std::to_string(seq));
+    for (size_t r = 0; r < regions.size(); ++r) {
+      std::vector<unsigned char> host(regions[r].bytes);
+      CUDA_CHECK(cudaMemcpy(host.data(), regions[r].local, host.size(), cudaMemcpyDeviceToHost));
+      for (size_t i = 0; i < host.size(); ++i) {
+        if (host[i] != round_trip_byte(seq, r, i) && bad_bytes++ == 0) {
+          first_bad = "message " + std::to_string(seq) + " region " + std::to_string(r) + " byte " + std::to_string(i);
+        }
+      }
+    }
+  };
+  const auto expect_state = [&](size_t live, uint32_t generation, size_t slot_bytes, const std::string& when) {
+    CHECK(ring.live_generations() == live && ring.generation() == generation && ring.slot_bytes() == slot_bytes,
+          when + ": " + std::to_string(ring.live_generations()) + " live generations, newest " +
+              std::to_string(ring.generation()) + " of " + std::to_string(ring.slot_bytes()) +
+              "-byte slots; expected " + std::to_string(live) + ", " + std::to_string(generation) + ", " +
+              std::to_string(slot_bytes));
+  };
+
+  for (uint64_t seq = 0; seq < kResizeGrowSeq; ++seq) receive(seq);
+  expect_state(1, 0, kResizeInitialSlotBytes, "before any resize");
+
+  const std::string shrunk = ring.resize(kResizeShrunkSlotBytes, kResizeShrinkSeq);
+  const IpcRingHandleInfo shrunk_info = parse_ipc_ring_handles(shrunk);
+  CHECK(shrunk_info.generation == 1 && shrunk_info.first_seq == kResizeShrinkSeq &&
+            shrunk_info.slot_bytes == kResizeShrunkSlotBytes,
+        "shrink blob: generation " + std::to_string(shrunk_info.generation) + ", first_seq " +
+            std::to_string(shrunk_info.first_seq) + ", slot_bytes " + std::to_string(shrunk_info.slot_bytes));
+  expect_state(2, 1, kResizeShrunkSlotBytes, "after the shrink");
+  send_frame(ctx.sock, shrunk);
+
+  const std::string request = recv_frame(ctx.sock, "grow request for message " + std::to_string(kResizeGrowSeq));
+  CHECK(request == resize_grow_request(), "got '" + request + "', expected '" + resize_grow_request() + "'");
+  std::string grown;
+  call_with_other_device_current(ctx, [&] { grown = ring.grow(kResizeGrownSlotBytes, kResizeGrowSeq); });
+  const IpcRingHandleInfo grown_info = parse_ipc_ring_handles(grown);
+  CHECK(grown_info.generation == 2 && grown_info.first_seq == kResizeGrowSeq &&
+            grown_info.slot_bytes == kResizeGrownSlotBytes,
+        "grow blob: generation " + std::to_string(grown_info.generation) + ", first_seq " +
+            std::to_string(grown_info.first_seq) + ", slot_bytes " + std::to_string(grown_info.slot_bytes));
+  // Generation 0 is already out of reach, but only a receive gives generations back; the shrunk one
+  // still starts last, so it stays the one slot_bytes() describes.
+  expect_state(3, 1, kResizeShrunkSlotBytes, "after the grow");
+  send_frame(ctx.sock, grown);
+
+  for (uint64_t seq = kResizeGrowSeq; seq <= kResizeLastFullSeq; ++seq) {
+    if (seq == kResizeShrinkSeq) {
+      CopyRegion too_big{arena.device(kResizeShrunkSlotBytes + 1), 0, kResizeShrunkSlotBytes + 1};
+      expect_protocol_error([&] { ring.enqueue_receive(seq, &too_big, 1, stream); },
+                            "exceeds slot_bytes " + std::to_string(kResizeShrunkSlotBytes) + " (data generation 1)",
+                            "message bigger than the shrunk slots");
+    }
+    receive(seq);
+    // From message 3 on nothing reaches generation 0; from message 8 on nothing reaches the grown one.
+    expect_state(seq + 1 < kResizeShrinkSeq ? 2 : 1, 1, kResizeShrunkSlotBytes,
+                 "after receiving message " + std::to_string(seq));
+  }
+  CHECK(bad_bytes == 0, std::to_string(bad_bytes) + " wrong bytes, first at " + first_bad);
+
+  const std::string late = ring.resize(kResizeLateSlotBytes, kResizeLateSeq);
+  expect_state(2, 3, kResizeLateSlotBytes, "after the late resize");
+  send_frame(ctx.sock, late);
+  receive(kResizeLateSeq);
+  expect_state(1, 3, kResizeLateSlotBytes, "after receiving the late message");
+
+  expect_protocol_error([&] { ring.resize(kResizeInitialSlotBytes, 0); }, "already received", "resize for message 0");
+  expect_protocol_error([&] { ring.resize(kResizeInitialSlotBytes, kResizeLateSeq); }, "already received",
+                        "resize for the last received message");
+  expect_protocol_error([&] { ring.grow(kResizeInitialSlotBytes, kResizeLateSeq); }, "already received",
+                        "grow for the last received message");
+  expect_state(1, 3, kResizeLateSlotBytes, "after the refused resizes");
+  CHECK(ring.next_seq() == kResizeLateSeq + 1, std::to_string(ring.next_seq()));
+  CHECK(recv_frame(ctx.sock, "end of resize case") == "done", "");
+}
+
+void resize_sender(Context& ctx, Arena& arena) {
+  const std::string initial = recv_frame(ctx.sock, "resize handles");
+  auto& ring = arena.make<IpcRingSender>(ctx.device, initial, "test ipc resize rank 1 -> rank 0");
+  cudaStream_t stream = arena.stream();
+  const auto filled_regions = [&](uint64_t seq) {
+    std::vector<CopyRegion> regions = resize_layout(seq);
+    for (size_t r = 0; r < regions.size(); ++r) {
+      std::vector<unsigned char> host(regions[r].bytes);
+      for (size_t i = 0; i < host.size(); ++i) host[i] = round_trip_byte(seq, r, i);
+      regions[r].local = arena.device(host.size());
+      CUDA_CHECK(cudaMemcpy(regions[r].local, host.data(), host.size(), cudaMemcpyHostToDevice));
+    }
+    return regions;
+  };
+  const auto expect_next = [&](uint32_t generation, size_t slot_bytes, const std::string& when) {
+    CHECK(ring.generation() == generation && ring.slot_bytes() == slot_bytes,
+          when + ": message " + std::to_string(ring.next_seq()) + " would go to generation " +
+              std::to_string(ring.generation()) + " of " + std::to_string(ring.slot_bytes()) +
+              "-byte slots; expected " + std::to_string(generation) + ", " + std::to_string(slot_bytes));
+  };
+
+  for (uint64_t seq = 0; seq < kResizeGrowSeq; ++seq) ring.enqueue_send(seq, filled_regions(seq), stream);
+  const std::string shrunk = recv_frame(ctx.sock, "shrunk handles");
+  ring.update(shrunk);
+  expect_next(0, kResizeInitialSlotBytes, "the shrink starts later");
+
+  const std::vector<CopyRegion> first_grown = filled_regions(kResizeGrowSeq);
+  expect_protocol_error([&] { ring.enqueue_send(kResizeGrowSeq, first_grown, stream); },
+                        "exceeds slot_bytes " + std::to_string(kResizeInitialSlotBytes) + " (data generation 0)",
+                        "message bigger than the initial slots");
+  send_frame(ctx.sock, resize_grow_request());
+  const std::string grown = recv_frame(ctx.sock, "grown handles");
+  call_with_other_device_current(ctx, [&] { ring.update(grown); });
+
+  for (uint64_t seq = kResizeGrowSeq; seq <= kResizeLastFullSeq; ++seq) {
+    if (seq < kResizeShrinkSeq) {
+      expect_next(2, kResizeGrownSlotBytes, "grown message");
+    } else {
+      expect_next(1, kResizeShrunkSlotBytes, "shrunk message");
+    }
+    if (seq == kResizeShrinkSeq) {
+      CopyRegion too_big{arena.device(kResizeShrunkSlotBytes + 1), 0, kResizeShrunkSlotBytes + 1};
+      expect_protocol_error([&] { ring.enqueue_send(seq, &too_big, 1, stream); },
+                            "exceeds slot_bytes " + std::to_string(kResizeShrunkSlotBytes) + " (data generation 1)",
+                            "message bigger than the shrunk slots");
+    }
+    ring.enqueue_send(seq, seq == kResizeGrowSeq ? first_grown : filled_regions(seq), stream);
+  }
+
+  // Blobs seen before are ignored, even those whose first message was sent long ago and whose
+  // generation this end has already given back.
+  ring.update(initial);
+  ring.update(grown);
+  ring.update(shrunk);
+  expect_next(1, kResizeShrunkSlotBytes, "after repeated updates");
+
+  ring.enqueue_send(kResizeLateSeq, filled_regions(kResizeLateSeq), stream);
+  const std::string late = recv_frame(ctx.sock, "late handles");
+  expect_protocol_error([&] { ring.update(late); },
+                        "starts at message " + std::to_string(kResizeLateSeq) + ", but message " +
+                            std::to_string(kResizeLateSeq) + " was already sent",
+                        "update for a message already sent");
+  expect_next(1, kResizeShrunkSlotBytes, "after the refused update");
+  ring.enqueue_wait_consumed(kResizeLateSeq, stream);
+  sync_stream(stream, "resize case: last message consumed");
+  send_frame(ctx.sock, "done");
+}
+
 // ---- case 3: bandwidth (printed, not asserted) ------------------------------------------------------
 
 struct BandwidthPhase {
@@ -761,6 +950,7 @@ int child_main(bool receiver, int sock) {
       {"round_trip", round_trip_receiver, round_trip_sender},
       {"direct", direct_receiver, direct_sender},
       {"stress", stress_receiver, stress_sender},
+      {"resize", resize_receiver, resize_sender},
       {"bandwidth", bandwidth_receiver,
        [same_device](Context& c, Arena& a) { bandwidth_sender(c, a, same_device); }},
   };
@@ -773,8 +963,8 @@ int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   if (argc > 1) g_only_case = argv[1];
   if (argc > 2 || (argc == 2 && g_only_case != "round_trip" && g_only_case != "direct" &&
-                   g_only_case != "stress" && g_only_case != "bandwidth")) {
-    std::fprintf(stderr, "usage: %s [round_trip|direct|stress|bandwidth]\n", argv[0]);
+                   g_only_case != "stress" && g_only_case != "resize" && g_only_case != "bandwidth")) {
+    std::fprintf(stderr, "usage: %s [round_trip|direct|stress|resize|bandwidth]\n", argv[0]);
     return 2;
   }
   // A child whose peer already exited must report the failure, not die writing to the socket.
