@@ -228,7 +228,7 @@ def ipc_shrink_gives_memory_back(rank: int, world_size: int) -> list:
     device = rank_device(rank, "cuda")
     slot_bytes, num_slots = 4096, 4
     # 4 MB messages of a new shape each time, so none goes to a posted buffer: only the slots hold them.
-    bigs = [torch.full((1 << 20) - index, float(index), device=device) for index in range(3)]
+    bigs = [torch.full(((1 << 20) - index,), float(index), device=device) for index in range(3)]
     smalls = [torch.full((8,), float(index), device=device) for index in range(num_slots + 6)]
     with transport.connect(1 - rank, backend="ipc", device=device, timeout=30, slot_bytes=slot_bytes) as channel:
         if rank == 0:
