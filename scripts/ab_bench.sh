@@ -4,6 +4,7 @@
 # alternated A, B, A, B, ... ROUNDS times, e.g.
 #   git diff main pending/x > scratch/x.patch
 #   bash scripts/ab_bench.sh scratch/x.patch "p2p.py --sizes 4K --tuple-sizes 64K --no-gemm --reps 9" 3
+# With AB_PYTEST="-m cuda tests/test_transport.py ..." it first runs those tests against B.
 # Outputs land in /tmp/pipecomm-ab (and $OUT/ab.tgz when $OUT is set): A-1.txt, B-1.txt, ...
 set -uo pipefail
 patch_file=$(realpath "$1") bench=$2 rounds=${3:-3}
@@ -26,6 +27,12 @@ for side in A B; do
   imported=$(cd "$work/$side" && PYTHONPATH="$work/$side" python3 -c "import pipecomm; print(pipecomm.__file__)")
   [ "$imported" = "$work/$side/pipecomm/__init__.py" ] || { echo "side $side imports $imported"; exit 1; }
 done
+if [ -n "${AB_PYTEST:-}" ]; then
+  # shellcheck disable=SC2086  # pytest's own arguments split on spaces
+  (cd "$work/B" && PYTHONPATH="$work/B" timeout "${AB_PYTEST_TIMEOUT:-300}" python3 -m pytest $AB_PYTEST -q \
+    -p no:cacheprovider > "$work/pytest-B.txt" 2>&1)
+  echo "pytest on B exit $?"; tail -3 "$work/pytest-B.txt"
+fi
 read -ra words <<< "$bench"
 for round in $(seq "$rounds"); do
   for side in A B; do
