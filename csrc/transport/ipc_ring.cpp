@@ -249,23 +249,32 @@ void check_next_seq(uint64_t seq, uint64_t expected, const std::string& prefix, 
 // One stream-ordered step of the protocol: wait until each flag reaches its value, copy the regions into
 // `slot` (a peer slot or posted buffer) or out of it (this end's slot), then write `signal` = value.
 struct Step {
-  struct Wait {
-    const void* flag;
-    uint32_t value;
-    const char* name;
+  struct Flag {
+    const void* flag = nullptr;
+    uint32_t value = 0;
+    const char* name = "";  // for error messages
   };
-  Wait waits[kSmTransferMaxWaits];
+  Flag waits[kSmTransferMaxWaits];
   int wait_count = 0;
   const CopyRegion* regions = nullptr;
   size_t count = 0;
   char* slot = nullptr;
   bool into_slot = true;
-  const void* signal = nullptr;
-  uint32_t signal_value = 0;
-  const char* signal_name = "";
+  Flag signal;  // none while its flag is null
 
   void wait(const void* flag, uint32_t value, const char* name) { waits[wait_count++] = {flag, value, name}; }
 };
+
+// A step that copies `regions` into `slot` (into_slot) or out of it, then raises `signal`.
+Step copy_step(const CopyRegion* regions, size_t count, char* slot, bool into_slot, Step::Flag signal) {
+  Step step;
+  step.regions = regions;
+  step.count = count;
+  step.slot = slot;
+  step.into_slot = into_slot;
+  step.signal = signal;
+  return step;
+}
 
 // A step that copies 1 .. sm_max_bytes bytes in at most kSmTransferMaxCopies pieces copies and raises its
 // flag in one thread block (sm_transfer.h). A send's block also does the send's waits, which are for slots
@@ -287,7 +296,7 @@ void enqueue_step(const Step& step, size_t sm_max_bytes, cudaStream_t stream, co
   const bool block_waits = by_block && step.into_slot;
   if (!block_waits) {
     for (int w = 0; w < step.wait_count; ++w) {
-      const Step::Wait& wait = step.waits[w];
+      const Step::Flag& wait = step.waits[w];
       if (const CUresult result =
               api.wait_value32(stream, device_address(wait.flag), wait.value, CU_STREAM_WAIT_VALUE_GEQ);
           result != CUDA_SUCCESS) {
@@ -311,8 +320,8 @@ void enqueue_step(const Step& step, size_t sm_max_bytes, cudaStream_t stream, co
           step.into_slot ? SmTransfer::Copy{in_slot, region.local, region.bytes}
                          : SmTransfer::Copy{region.local, in_slot, region.bytes};
     }
-    transfer.signal = static_cast<uint32_t*>(const_cast<void*>(step.signal));
-    transfer.signal_value = step.signal_value;
+    transfer.signal = static_cast<uint32_t*>(const_cast<void*>(step.signal.flag));
+    transfer.signal_value = step.signal.value;
     check_cuda(enqueue_sm_transfer(transfer, stream), prefix, "sm_transfer kernel launch", what());
     return;
   }
@@ -327,11 +336,11 @@ void enqueue_step(const Step& step, size_t sm_max_bytes, cudaStream_t stream, co
       check_cuda(error, prefix, "cudaMemcpyAsync", what() + ", region " + std::to_string(i));
     }
   }
-  if (step.signal == nullptr) return;
-  if (const CUresult result = api.write_value32(stream, device_address(step.signal), step.signal_value,
+  if (step.signal.flag == nullptr) return;
+  if (const CUresult result = api.write_value32(stream, device_address(step.signal.flag), step.signal.value,
                                                 CU_STREAM_WRITE_VALUE_DEFAULT);
       result != CUDA_SUCCESS) {
-    check_driver(result, api, prefix, "cuStreamWriteValue32", std::string(step.signal_name) + ", " + what());
+    check_driver(result, api, prefix, "cuStreamWriteValue32", std::string(step.signal.name) + ", " + what());
   }
 }
 
@@ -570,15 +579,8 @@ void IpcRingReceiver::enqueue_receive(uint64_t seq, const CopyRegion* regions, s
   const auto what = [&] { return position.describe(seq); };
 
   // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
-  Step step;
+  Step step = copy_step(regions, count, slot_data, /*into_slot=*/false, {position.ack, position.round, "ack"});
   step.wait(position.ready, position.round, "ready");
-  step.regions = regions;
-  step.count = count;
-  step.slot = slot_data;
-  step.into_slot = false;
-  step.signal = position.ack;
-  step.signal_value = position.round;
-  step.signal_name = "ack";
   enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "out of the slot, " + what(); });
   ++next_seq_;
 }
@@ -831,18 +833,12 @@ void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t
 
   // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
   SlotHistory& history = slot_history_[position.slot];
-  Step step;
+  Step step = copy_step(regions, count, slot_data, /*into_slot=*/true, {position.ready, position.round, "ready"});
   if (history.slot_round > 0) step.wait(position.ack, history.slot_round, "ack");  // the last occupant copied out
   // After a direct message on another stream, that message's ready write must land first.
   if (seq >= num_slots_ && history.slot_round != position.round - 1 && history.stream != stream) {
     step.wait(position.ready, position.round - 1, "ready of the slot's previous message");
   }
-  step.regions = regions;
-  step.count = count;
-  step.slot = slot_data;
-  step.signal = position.ready;
-  step.signal_value = position.round;
-  step.signal_name = "ready";
   enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "into the peer slot, " + what(); });
   history.slot_round = position.round;
   history.stream = stream;
@@ -870,19 +866,13 @@ bool IpcRingSender::enqueue_send_direct(uint64_t seq, uint64_t post, const cudaI
 
   // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
   SlotHistory& history = slot_history_[position.slot];
-  Step step;
+  Step step = copy_step(regions, count, buffer, /*into_slot=*/true, {position.ready, position.round, "ready"});
   // ready[slot] rises in message order: on one stream by itself, across streams after this wait.
   if (seq >= num_slots_ && history.stream != stream) {
     step.wait(position.ready, position.round - 1, "ready of the slot's previous message");
   }
   // The receiver's stream has passed the buffer's allocation: nothing of its own still uses that memory.
   if (!posted_passed) step.wait(posted_counter(flags_, num_slots_), static_cast<uint32_t>(post + 1), "posted");
-  step.regions = regions;
-  step.count = count;
-  step.slot = buffer;
-  step.signal = position.ready;
-  step.signal_value = position.round;
-  step.signal_name = "ready";
   enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "into the posted buffer, " + what(); });
   history.stream = stream;
   ++next_seq_;
