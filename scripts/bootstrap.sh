@@ -8,7 +8,9 @@ missing=()
 "$python" -c "import torch" 2>/dev/null || missing+=("torch==2.13.0")
 "$python" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" 2>/dev/null \
   || missing+=("setuptools>=64")
-for module_and_package in wheel:wheel pytest:pytest pytest_benchmark:pytest-benchmark; do
+# numpy: torch's wheel does not pull it in, but torch.distributed's object collectives (all_gather_object,
+# gather_object, which pipecomm uses) need it.
+for module_and_package in wheel:wheel numpy:numpy pytest:pytest pytest_benchmark:pytest-benchmark; do
   "$python" -c "import ${module_and_package%%:*}" 2>/dev/null || missing+=("${module_and_package#*:}")
 done
 command -v ninja >/dev/null || missing+=(ninja)
