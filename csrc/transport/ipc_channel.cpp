@@ -334,7 +334,7 @@ class IpcChannel {
                               (post ? "that buffer was posted for another layout"
                                     : "no such buffer was posted for it"));
         }
-        receiver_.enqueue_receive_direct(recv_seq_, static_cast<size_t>(received_->offsets.back()), caller.stream());
+        receiver_.enqueue_receive_direct(recv_seq_, caller.stream());
         if (caller.stream() != post->stream) {
           c10::cuda::CUDACachingAllocator::recordStream(post->buffer.storage().data_ptr(), caller);
         }

@@ -263,7 +263,6 @@ struct Step {
   char* slot = nullptr;
   bool into_slot = true;
   Flag signal;  // none while its flag is null
-  size_t message_bytes = 0;  // for a step without regions: the size of the message it waits for
 
   void wait(const void* flag, uint32_t value, const char* name) { waits[wait_count++] = {flag, value, name}; }
 };
@@ -279,25 +278,42 @@ Step copy_step(const CopyRegion* regions, size_t count, char* slot, bool into_sl
   return step;
 }
 
-// A step for a message of 1 .. sm_max_bytes bytes in at most kSmTransferMaxCopies pieces runs as one
-// thread block (sm_transfer.h). Every other step runs as stream memory waits, one copy-engine copy per
-// region and a memory write whose default flags put a barrier before it, so the data is visible
-// before the flag.
+// A step that copies 1 .. sm_max_bytes bytes in at most kSmTransferMaxCopies pieces copies and raises its
+// flag in one thread block (sm_transfer.h). A send's block also does the send's waits, which are for slots
+// and buffers freed long before as a rule; a receive waits for its peer, which may take long, and a
+// waiting block would hold its SM slot all that time, so a receive waits with a stream memory
+// operation and then launches the block. Every other step runs as stream memory waits, one copy-engine
+// copy per region and a memory write whose default flags put a barrier before it, so the data is
+// visible before the flag.
 template <typename Describe>
 void enqueue_step(const Step& step, size_t sm_max_bytes, cudaStream_t stream, const DriverApi& api,
                   const std::string& prefix, const Describe& what) {
-  size_t bytes = step.message_bytes;
+  size_t bytes = 0;
   int pieces = 0;
   for (size_t i = 0; i < step.count; ++i) {
     bytes += step.regions[i].bytes;
     pieces += step.regions[i].bytes > 0 ? 1 : 0;
   }
-  if (bytes > 0 && bytes <= sm_max_bytes && pieces <= kSmTransferMaxCopies) {
-    SmTransfer transfer;
+  const bool by_block = bytes > 0 && bytes <= sm_max_bytes && pieces <= kSmTransferMaxCopies;
+  const bool block_waits = by_block && step.into_slot;
+  if (!block_waits) {
     for (int w = 0; w < step.wait_count; ++w) {
-      transfer.waits[w] = {static_cast<const uint32_t*>(step.waits[w].flag), step.waits[w].value};
+      const Step::Flag& wait = step.waits[w];
+      if (const CUresult result =
+              api.wait_value32(stream, device_address(wait.flag), wait.value, CU_STREAM_WAIT_VALUE_GEQ);
+          result != CUDA_SUCCESS) {
+        check_driver(result, api, prefix, "cuStreamWaitValue32", std::string(wait.name) + ", " + what());
+      }
     }
-    transfer.wait_count = step.wait_count;
+  }
+  if (by_block) {
+    SmTransfer transfer;
+    if (block_waits) {
+      for (int w = 0; w < step.wait_count; ++w) {
+        transfer.waits[w] = {static_cast<const uint32_t*>(step.waits[w].flag), step.waits[w].value};
+      }
+      transfer.wait_count = step.wait_count;
+    }
     for (size_t i = 0; i < step.count; ++i) {
       const CopyRegion& region = step.regions[i];
       if (region.bytes == 0) continue;
@@ -310,13 +326,6 @@ void enqueue_step(const Step& step, size_t sm_max_bytes, cudaStream_t stream, co
     transfer.signal_value = step.signal.value;
     check_cuda(enqueue_sm_transfer(transfer, stream), prefix, "sm_transfer kernel launch", what());
     return;
-  }
-  for (int w = 0; w < step.wait_count; ++w) {
-    const Step::Flag& wait = step.waits[w];
-    if (const CUresult result = api.wait_value32(stream, device_address(wait.flag), wait.value, CU_STREAM_WAIT_VALUE_GEQ);
-        result != CUDA_SUCCESS) {
-      check_driver(result, api, prefix, "cuStreamWaitValue32", std::string(wait.name) + ", " + what());
-    }
   }
   for (size_t i = 0; i < step.count; ++i) {
     const CopyRegion& region = step.regions[i];
@@ -337,7 +346,7 @@ void enqueue_step(const Step& step, size_t sm_max_bytes, cudaStream_t stream, co
   }
 }
 
-// PIPECOMM_IPC_SM_MAX_BYTES: messages up to this size move as one thread block (see enqueue_step);
+// PIPECOMM_IPC_SM_MAX_BYTES: messages up to this size are copied by one thread block (see enqueue_step);
 // 0, the default, keeps every message on the copy engine and stream memory operations.
 size_t sm_max_bytes_from_environment(const std::string& prefix) {
   const char* text = std::getenv("PIPECOMM_IPC_SM_MAX_BYTES");
@@ -664,14 +673,13 @@ void IpcRingReceiver::enqueue_receive(uint64_t seq, const CopyRegion* regions, s
   if (generations_.size() > 1) give_back_superseded();
 }
 
-void IpcRingReceiver::enqueue_receive_direct(uint64_t seq, size_t bytes, cudaStream_t stream) {
+void IpcRingReceiver::enqueue_receive_direct(uint64_t seq, cudaStream_t stream) {
   check_next_seq(seq, next_seq_, error_prefix_, "enqueue_receive_direct");
   const DriverApi& api = driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
   const SlotPosition position = slot_position(flags_, num_slots_, seq);
   Step step;
   step.wait(position.ready, position.round, "ready");
-  step.message_bytes = bytes;
   enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return position.describe(seq) + ", direct"; });
   ++next_seq_;
   if (generations_.size() > 1) give_back_superseded();

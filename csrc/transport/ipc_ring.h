@@ -42,11 +42,11 @@
 // its metadata channel before enqueuing, and why a process whose peer died mid-transfer should call
 // abandon() on its ring ends (or exit) instead of destroying them normally.
 //
-// Small messages: with PIPECOMM_IPC_SM_MAX_BYTES=N, each step of a message of 1 .. N bytes (a send's waits,
-// copies and ready write; a slot receive's wait, copies and ack) runs as one thread block that polls the
-// flags and copies with loads and stores (sm_transfer.h). That takes the front end's memory-operation and
-// copy-engine latencies off the path, but the block holds a place on one SM for as long as it waits, so
-// it is off by default. The flags mean the same either way, so the two ends need not agree.
+// Small messages: with PIPECOMM_IPC_SM_MAX_BYTES=N, a message of 1 .. N bytes is copied by one thread block
+// with loads and stores, which also raises the flag (sm_transfer.h): one launch instead of a copy-engine
+// copy per tensor and a memory write. A send's block also polls the send's flags; a receive waits with
+// the stream memory operation first, so no block sits on an SM while waiting for the peer. Off by default;
+// the flags mean the same either way, so the two ends need not agree.
 //
 // Each end is used by one host thread at a time.
 #pragma once
@@ -129,9 +129,9 @@ class IpcRingReceiver {
     enqueue_receive(seq, regions.data(), regions.size(), stream);
   }
 
-  // For a message of `bytes` bytes the sender wrote into a posted buffer: enqueues on `stream` only the
-  // wait ready[slot] >= round (no copy, no acknowledgement). seq must be exactly the next one.
-  void enqueue_receive_direct(uint64_t seq, size_t bytes, cudaStream_t stream);
+  // For a message the sender wrote into a posted buffer: enqueues on `stream` only the wait
+  // ready[slot] >= round (no copy, no acknowledgement). seq must be exactly the next one.
+  void enqueue_receive_direct(uint64_t seq, cudaStream_t stream);
 
   // Skip synchronization and freeing in the destructor (leaks the device memory). For a process
   // whose peer died while streams still wait on its flags.

@@ -413,7 +413,7 @@ void direct_receiver(Context& ctx, Arena& arena) {
       ring.enqueue_post(seq / 2, post_stream);
       send_frame(ctx.sock, std::string(reinterpret_cast<const char*>(&post), sizeof(post)));
       for (auto& region : regions) region.local = buffer + region.slot_offset;
-      ring.enqueue_receive_direct(seq, post.capacity, stream);
+      ring.enqueue_receive_direct(seq, stream);
     } else {
       for (auto& region : regions) region.local = arena.device(region.bytes);
       ring.enqueue_receive(seq, regions, stream);
