@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import random
@@ -259,6 +260,39 @@ def ipc_shrink_gives_memory_back(rank: int, world_size: int) -> list:
 @needs_cuda
 def test_ipc_shrink_gives_the_grown_slots_back_to_the_caching_allocator(tmp_path):
     assert run_ranks(2, ipc_shrink_gives_memory_back, tmp_path, timeout=60) == [[], [True, True]]
+
+
+def ipc_close_handshake(rank: int, world_size: int, early_closer: int | None) -> bool:
+    """Whether this rank still holds device memory of the channel once it is closed and gone."""
+    device = rank_device(rank, "cuda")
+    store = dist.distributed_c10d._get_default_store()
+    baseline = torch.cuda.memory_allocated(device)
+    channel = transport.connect(1 - rank, backend="ipc", device=device, timeout=30, slot_bytes=1 << 16)
+    for seq in range(6):  # a repeated layout: posted buffers as well as slots
+        message = torch.full((1 << 14,), float(seq), device=device)
+        assert torch.equal(channel.send_recv([message])[0], message)
+    del message
+    torch.cuda.synchronize(device)
+    store.set(f"ready/{rank}", "1")
+    store.wait([f"ready/{1 - rank}"])
+    if early_closer is not None and rank != early_closer:
+        time.sleep(1.0)  # far beyond the early closer's wait for this end's note
+    channel.close()
+    del channel
+    gc.collect()
+    torch.cuda.synchronize(device)
+    kept = torch.cuda.memory_allocated(device) > baseline
+    store.set(f"closed/{rank}", "1")
+    store.wait([f"closed/{1 - rank}"])  # the peer's process, and its mappings, live until both have looked
+    return kept
+
+
+@needs_cuda
+@pytest.mark.parametrize(("early_closer", "expected"), [(None, [False, False]), (1, [False, True])])
+def test_ipc_close_frees_exported_memory_only_once_the_peer_unmapped_it(tmp_path, early_closer, expected):
+    # Closing together, each end's note says it unmapped the other's memory, which is then freed. Rank 1
+    # closing alone keeps its slots and posted buffers: rank 0 still has them mapped.
+    assert run_ranks(2, ipc_close_handshake, tmp_path, early_closer, timeout=60) == expected
 
 
 def timeout_then_close(rank: int, world_size: int, backend: str, kind: str) -> str:

@@ -11,11 +11,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <chrono>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -405,26 +407,58 @@ class IpcChannel {
     if (sender_) sender_->abandon();
   }
 
-  // Posts still held are normally for messages the peer never sent, and their buffers go back to
-  // the allocator. But when the peer sent a message this end never received (a step that failed
-  // half-way), its copy may be writing into one of them: those buffers are kept for the life of
-  // the process, as the memory of a dead peer's pending transfers is.
+  // The close handshake. Freeing memory another process still has mapped is undefined behaviour
+  // (cudaIpcOpenMemHandle's documentation), so each end unmaps the peer's memory once its own sends
+  // are done and says so with a last note; an end frees what it exported only when that note came,
+  // or when the peer died (its mappings died with it). Otherwise (a peer that closes much later,
+  // or whose sends never finished) it keeps that memory for the life of the process: the ring's flags
+  // and slots, and the buffers it posted. Both waits are short, so close() stays quick.
+  //
+  // Posted buffers are also kept when the peer sent a message this end never received (a step that
+  // failed half-way): its copy may still be writing into one of them.
   void close() noexcept {
+    constexpr auto kPatience = std::chrono::milliseconds(100);
+    if (sender_ && sender_->unmap_when_done(kPatience)) {
+      try {
+        if (host_sender_.can_send_now()) host_sender_.send_bytes(nullptr, 0, kTagUnmapped);
+      } catch (...) {
+        // The peer closed or died already: it decides without the note.
+      }
+    }
     bool unreceived = false;
+    bool peer_unmapped = false;
+    const auto deadline = std::chrono::steady_clock::now() + kPatience;
     try {
-      unreceived = host_receiver_.try_recv().has_value();
+      while (!peer_unmapped) {
+        std::optional<Message> message = host_receiver_.try_recv();
+        if (!message) {
+          if (std::chrono::steady_clock::now() >= deadline) break;
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+          continue;
+        }
+        if (message->tag == kTagUnmapped) {
+          peer_unmapped = true;
+        } else {
+          unreceived = true;
+        }
+        host_receiver_.release(message->seq);
+      }
+    } catch (const PeerDiedError&) {
+      peer_unmapped = true;  // the driver closed a dead process's mappings
+      unreceived = true;     // but whether its last copies were cut off first, nobody can tell
     } catch (...) {
-      unreceived = true;  // the ring is already in error: assume the worst
+      unreceived = true;  // closed without the note, or the ring is in error: assume the worst
     }
     host_sender_.close();
     host_receiver_.close();
     post_sender_.close();
     post_receiver_.close();
-    if (unreceived) {
+    if (unreceived || !peer_unmapped) {
       static auto* kept = new std::vector<at::Tensor>();  // never freed, on purpose
       for (PostedBuffer& posted : posts_) kept->push_back(std::move(posted.buffer));
     }
     posts_.clear();
+    if (!peer_unmapped) receiver_.abandon();
   }
 
   uint64_t next_send_seq() const { return send_seq_; }
@@ -591,7 +625,7 @@ void register_ipc_channel(py::module_& module) {
       .def("shrink", &IpcChannel::shrink, py::arg("slot_bytes"), py::call_guard<py::gil_scoped_release>())
       .def("transfers_done", &IpcChannel::transfers_done)
       .def("abandon", &IpcChannel::abandon)
-      .def("close", &IpcChannel::close)
+      .def("close", &IpcChannel::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("next_send_seq", &IpcChannel::next_send_seq)
       .def_property_readonly("next_recv_seq", &IpcChannel::next_recv_seq)
       .def_property_readonly("direct_sends", &IpcChannel::direct_sends)

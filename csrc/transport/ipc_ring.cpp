@@ -11,6 +11,7 @@
 #include <iterator>
 #include <limits>
 #include <mutex>
+#include <thread>
 #include <utility>
 
 #include "shm_ring.h"  // ChannelError, ProtocolError
@@ -374,6 +375,11 @@ void release_after_sync(int device, Release&& release) noexcept {
   (void)cudaGetLastError();
 }
 
+// Adds stream to the streams that touched something, once.
+void remember(std::vector<cudaStream_t>& streams, cudaStream_t stream) {
+  if (std::find(streams.begin(), streams.end(), stream) == streams.end()) streams.push_back(stream);
+}
+
 // Whether generation a wins over b for a message both could hold: the later start, the newer on a tie.
 template <typename Generation>
 bool supersedes(const Generation& a, const Generation& b) {
@@ -533,7 +539,11 @@ IpcRingReceiver::IpcRingReceiver(int device, uint32_t num_slots, size_t slot_byt
 IpcRingReceiver::~IpcRingReceiver() { release_all(); }
 
 void IpcRingReceiver::release_all() noexcept {
-  if (abandoned_ || (flags_ == nullptr && generations_.empty())) return;
+  if (abandoned_) {
+    (void)allocator_.release();  // its generations stay allocated, as abandon() promises
+    return;
+  }
+  if (flags_ == nullptr && generations_.empty()) return;
   // Receives still queued may read any generation: release_after_sync lets them finish first.
   release_after_sync(device_, [&] {
     for (Generation& generation : generations_) {
@@ -666,9 +676,7 @@ void IpcRingReceiver::enqueue_receive(uint64_t seq, const CopyRegion* regions, s
   Step step = copy_step(regions, count, slot_data, /*into_slot=*/false, {position.ack, position.round, "ack"});
   step.wait(position.ready, position.round, "ready");
   enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "out of the slot, " + what(); });
-  if (std::find(generation.readers.begin(), generation.readers.end(), stream) == generation.readers.end()) {
-    generation.readers.push_back(stream);
-  }
+  remember(generation.readers, stream);
   ++next_seq_;
   if (generations_.size() > 1) give_back_superseded();
 }
@@ -818,6 +826,46 @@ void IpcRingSender::release_all() noexcept {
   peer_allocations_.clear();
 }
 
+bool IpcRingSender::unmap_when_done(std::chrono::microseconds patience) noexcept {
+  if (abandoned_) return false;
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device_) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  std::vector<cudaEvent_t> fences;
+  bool done = true;
+  for (cudaStream_t stream : send_streams_) {
+    cudaEvent_t fence = nullptr;
+    if (cudaEventCreateWithFlags(&fence, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventRecord(fence, stream) != cudaSuccess) {
+      if (fence != nullptr) (void)cudaEventDestroy(fence);
+      done = false;
+      break;
+    }
+    fences.push_back(fence);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + patience;
+  while (done && !std::all_of(fences.begin(), fences.end(),
+                              [](cudaEvent_t fence) { return cudaEventQuery(fence) == cudaSuccess; })) {
+    if (std::chrono::steady_clock::now() >= deadline) done = false;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  for (cudaEvent_t fence : fences) (void)cudaEventDestroy(fence);
+  if (done) {
+    unmap_retired_allocations(/*all=*/true);  // their fences are older than the ones that just passed
+    for (Generation& generation : generations_) peer_mappings().release(generation.base);
+    for (PeerAllocation& allocation : peer_allocations_) peer_mappings().release(allocation.base);
+    if (flags_ != nullptr) (void)cudaIpcCloseMemHandle(flags_);
+    generations_.clear();
+    peer_allocations_.clear();
+    flags_ = nullptr;
+  }
+  (void)cudaGetLastError();
+  if (previous >= 0 && previous != device_) (void)cudaSetDevice(previous);
+  return done;
+}
+
 void IpcRingSender::unmap_retired_allocations(bool all) noexcept {
   auto it = retired_allocations_.begin();
   while (it != retired_allocations_.end()) {
@@ -950,9 +998,8 @@ void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t
   enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "into the peer slot, " + what(); });
   history.slot_round = position.round;
   history.stream = stream;
-  if (std::find(generation.writers.begin(), generation.writers.end(), stream) == generation.writers.end()) {
-    generation.writers.push_back(stream);
-  }
+  remember(generation.writers, stream);
+  remember(send_streams_, stream);
   ++next_seq_;
   if (generations_.size() > 1) retire_superseded();
 }
@@ -967,9 +1014,7 @@ bool IpcRingSender::enqueue_send_direct(uint64_t seq, uint64_t post, const cudaI
   PeerAllocation* allocation = map_peer_allocation(handle);
   if (allocation == nullptr) return false;
   allocation->last_use = ++allocation_uses_;
-  if (std::find(allocation->streams.begin(), allocation->streams.end(), stream) == allocation->streams.end()) {
-    allocation->streams.push_back(stream);
-  }
+  remember(allocation->streams, stream);
 
   const SlotPosition position = slot_position(flags_, num_slots_, seq);
   char* buffer = allocation->base + offset;
@@ -987,6 +1032,7 @@ bool IpcRingSender::enqueue_send_direct(uint64_t seq, uint64_t post, const cudaI
   if (!posted_passed) step.wait(posted_counter(flags_, num_slots_), static_cast<uint32_t>(post + 1), "posted");
   enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "into the posted buffer, " + what(); });
   history.stream = stream;
+  remember(send_streams_, stream);
   ++next_seq_;
   if (generations_.size() > 1) retire_superseded();
   return true;

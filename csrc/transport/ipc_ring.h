@@ -53,6 +53,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -133,8 +134,10 @@ class IpcRingReceiver {
   // ready[slot] >= round (no copy, no acknowledgement). seq must be exactly the next one.
   void enqueue_receive_direct(uint64_t seq, cudaStream_t stream);
 
-  // Skip synchronization and freeing in the destructor (leaks the device memory). For a process
-  // whose peer died while streams still wait on its flags.
+  // Skip synchronization and freeing in the destructor (leaks the device memory, the allocator's
+  // generations included). For a process whose peer died while streams still wait on its flags, and
+  // for one whose peer may still have this end's memory mapped: freeing exported memory before the
+  // importer closes its mapping is undefined behaviour.
   void abandon() noexcept { abandoned_ = true; }
 
   // Where `pointer` (device memory of this end's device) lies for a peer process: the IPC handle of
@@ -259,6 +262,11 @@ class IpcRingSender {
 
   void abandon() noexcept { abandoned_ = true; }
 
+  // Closes every mapping of the receiver's memory once every send enqueued so far has finished,
+  // waiting up to `patience` for that (no device synchronization); returns whether it did. The
+  // receiver may free its memory only after that. No send may follow.
+  bool unmap_when_done(std::chrono::microseconds patience) noexcept;
+
   int device() const { return device_; }
   int peer_device() const { return peer_device_; }  // -1 when not visible in this process
   size_t mapped_peer_allocations() const { return peer_allocations_.size(); }
@@ -315,6 +323,7 @@ class IpcRingSender {
   std::vector<uint32_t> known_generations_;  // every generation number mapped so far
   uint64_t next_seq_ = 0;
   std::vector<SlotHistory> slot_history_;
+  std::vector<cudaStream_t> send_streams_;  // every stream a send was enqueued on
   std::vector<PeerAllocation> peer_allocations_;
   std::vector<RetiredAllocation> retired_allocations_;
   uint64_t allocation_uses_ = 0;
