@@ -111,7 +111,7 @@ class IpcRingReceiver {
   IpcRingReceiver(const IpcRingReceiver&) = delete;
   IpcRingReceiver& operator=(const IpcRingReceiver&) = delete;
 
-  // Serialized handles of the flags and the newest data generation.
+  // Serialized handles of the flags and of the generation that messages from now on end up in.
   std::string export_handles() const;
 
   // New data generation with slots of slot_bytes (rounded up) for messages from first_seq on (no
