@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: build with CUDA, run the CUDA twins (`pytest -m cuda`, or PYTEST_ARGS), the
-# native tests (unless NATIVE=0) and the GPU benches given as arguments, each optionally led by environment
-# settings for that bench alone, e.g.
-#   bash scripts/gpu_check.sh "p2p.py --reps 5" "PIPECOMM_IPC_WAIT=kernel p2p.py --reps 5" "e2e.py --configs compute"
+# native tests and the host-call bench (unless NATIVE=0), and the GPU benches given as arguments, each
+# optionally led by environment settings for that bench alone, e.g.
+#   bash scripts/gpu_check.sh "p2p.py --reps 5" "PIPECOMM_IPC_SM_MAX_BYTES=65536 p2p.py --reps 5" "e2e.py --configs compute"
 # Everything lands in /tmp/pipecomm-gpu and, when $OUT is set (the device tool), in $OUT/results.tgz,
 # rewritten after every stage: a run cut short still brings back what it measured, and the tool's cap
 # on returned files never drops any.
@@ -38,6 +38,9 @@ if [ "${NATIVE:-1}" = 1 ]; then
     >"$work/native.log" 2>&1 && ctest --test-dir build/native --output-on-failure >"$work/ctest.txt" 2>&1
   echo "native exit $?"
   tail -4 "$work/ctest.txt" 2>/dev/null || tail -30 "$work/native.log"
+  if [ -x build/native/bench_host_calls ]; then
+    build/native/bench_host_calls --json "$work/host_calls.json" | tee "$work/host_calls.txt"
+  fi
   stage native
 fi
 for bench in "$@"; do
