@@ -43,6 +43,14 @@ def test_e2e_smoke_sweeps_micro_batch_counts(tmp_path):
         assert max(row["loss"] for row in rows) == pytest.approx(min(row["loss"] for row in rows), rel=1e-5)
 
 
+def test_host_split_smoke_times_send_and_recv_apart(tmp_path):
+    result = run_bench("host_split.py", "--rounds", "4", "--per-round", "8", "--json", str(tmp_path / "split.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "split.json").read_text())["rows"]
+    assert [row["message"] for row in rows] == ["1 x 4 KB", "8 x 8 KB"]
+    assert all(row["send_us"] > 0 and row["recv_us"] > 0 for row in rows), rows
+
+
 @pytest.mark.parametrize("counts", ["1,8", "8,x"])
 def test_e2e_rejects_bad_micro_batch_counts(counts):
     result = run_bench("e2e.py", "--micro-batches", counts, timeout=60)

@@ -1,0 +1,89 @@
+"""The host cost of a channel's send and of its recv, measured apart: where a small message's latency goes.
+
+Rank 0 sends a round of messages into a channel with room for all of them (``--slots``), so no send
+waits for the peer; then rank 1 receives them, all arrived, so no receive waits either. The median
+round gives microseconds per call. The layout repeats, so after the first rounds every message goes
+straight into a posted buffer (the ``direct`` column counts them). ``--smoke`` runs the same over shared
+memory on CPU processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from _common import environment, print_environment, print_table, spawn_ranks, start_rank, write_json
+
+# (label, total bytes, tensors): one small tensor, and a message of several tensors
+MESSAGES = [("1 x 4 KB", 4096, 1), ("8 x 8 KB", 65536, 8)]
+
+
+def run_rank(rank: int, world_size: int, store_port: int, report, options: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import pipecomm.transport as transport
+
+    device, store = start_rank(rank, world_size, store_port, options["smoke"], options["timeout"])
+    backend = "shm" if options["smoke"] else "ipc"
+    results = {}
+    for label, total_bytes, count in MESSAGES:
+        message = [torch.ones(total_bytes // 4 // count, device=device) for _ in range(count)]
+        channel = transport.connect(1 - rank, backend=backend, device=device, timeout=options["timeout"],
+                                    num_slots=options["slots"])
+        per_call = []
+        for round_index in range(options["rounds"]):
+            key = f"{label}/{round_index}"
+            if rank == 0:
+                started = time.perf_counter()
+                for _ in range(options["per_round"]):
+                    channel.send(message)
+                per_call.append((time.perf_counter() - started) / options["per_round"] * 1e6)
+                store.set(f"sent/{key}", "1")
+                store.wait([f"received/{key}"])
+            else:
+                store.wait([f"sent/{key}"])
+                started = time.perf_counter()
+                for _ in range(options["per_round"]):
+                    channel.recv()
+                per_call.append((time.perf_counter() - started) / options["per_round"] * 1e6)
+                store.set(f"received/{key}", "1")
+        direct = channel.direct_messages if backend == "ipc" else (0, 0)
+        channel.close()
+        results[label] = {"us": statistics.median(per_call[2:]), "rounds_us": per_call, "direct": direct[rank]}
+    dist.barrier()
+    return {"env": environment(device) if rank == 0 else None, "results": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--slots", type=int, default=64, help="channel slots: room for a whole round")
+    parser.add_argument("--rounds", type=int, default=12, help="rounds; the first two are not counted")
+    parser.add_argument("--per-round", type=int, default=48, help="messages per round (less than --slots)")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--smoke", action="store_true", help="shared memory between CPU processes")
+    parser.add_argument("--json", help="also write the numbers to this JSON file")
+    args = parser.parse_args()
+    if args.per_round >= args.slots or args.rounds < 3:
+        parser.error("--per-round must be below --slots, and --rounds at least 3")
+    outcome = spawn_ranks(run_rank, 2, (vars(args),), timeout=args.timeout)
+    env = outcome[0]["env"]
+    print_environment(env)
+    print(f"# host microseconds per call, median of rounds 3-{args.rounds} of {args.per_round} messages; "
+          f"send on rank 0 with nothing waiting, recv on rank 1 with everything arrived")
+    rows = []
+    for label, _, _ in MESSAGES:
+        send, receive = outcome[0]["results"][label], outcome[1]["results"][label]
+        rows.append({"message": label, "send_us": send["us"], "recv_us": receive["us"],
+                     "direct_sent": send["direct"], "direct_received": receive["direct"]})
+    print_table(rows, ["message", "send_us", "recv_us", "direct_sent", "direct_received"])
+    if args.json:
+        write_json(args.json, {"env": env, "config": vars(args), "rows": rows,
+                               "ranks": {rank: outcome[rank]["results"] for rank in (0, 1)}})
+
+
+if __name__ == "__main__":
+    main()
