@@ -10,8 +10,8 @@
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
-#include <cstring>
 #include <chrono>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
