@@ -391,8 +391,9 @@ class IpcChannel {
   // slots are no bigger than slot_bytes, nor while the post ring is full (the peer is not sending).
   bool shrink(size_t slot_bytes) {
     const std::lock_guard<std::mutex> lock(receiver_mutex_);
-    const size_t rounded = (slot_bytes + kIpcSlotAlignment - 1) / kIpcSlotAlignment * kIpcSlotAlignment;
-    if (rounded >= receiver_.slot_bytes() || !post_sender_.can_send_now()) return false;
+    if (round_slot_bytes(slot_bytes, receive_direction_) >= receiver_.slot_bytes() || !post_sender_.can_send_now()) {
+      return false;
+    }
     const std::string handles = receiver_.resize(slot_bytes, recv_seq_ + receiver_.num_slots() + 1);
     post_sender_.send_bytes(handles.data(), handles.size(), kTagGeneration);
     return true;

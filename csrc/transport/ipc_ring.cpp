@@ -167,13 +167,6 @@ std::string bus_id_of(int device, const std::string& prefix) {
   return std::string(buffer);
 }
 
-size_t round_slot_bytes(size_t bytes, const std::string& prefix) {
-  if (bytes == 0) bytes = 1;
-  if (bytes > std::numeric_limits<size_t>::max() - (kIpcSlotAlignment - 1)) {
-    throw ProtocolError(prefix + ": slot size " + std::to_string(bytes) + " overflows");
-  }
-  return (bytes + kIpcSlotAlignment - 1) / kIpcSlotAlignment * kIpcSlotAlignment;
-}
 
 // Where message seq lives: its slot, the round that slot's counters reach for it, and the slot's
 // two counters in the flags allocation (ready[K], then ack[K], then posted, each in its own line).
@@ -386,13 +379,20 @@ bool supersedes(const Generation& a, const Generation& b) {
   return a.first_seq != b.first_seq ? a.first_seq > b.first_seq : a.generation > b.generation;
 }
 
-// Where message seq lives: of the generations starting at or before it, the one that supersedes the rest.
+// Where message seq lives: of the generations starting at or before it, the one that supersedes the rest;
+// nullptr when none does.
 template <typename Generations>
-auto* generation_holding(Generations& generations, uint64_t seq, const std::string& error_prefix) {
+auto* find_holding(Generations& generations, uint64_t seq) {
   decltype(&generations.front()) holder = nullptr;
   for (auto& generation : generations) {
     if (generation.first_seq <= seq && (holder == nullptr || supersedes(generation, *holder))) holder = &generation;
   }
+  return holder;
+}
+
+template <typename Generations>
+auto* generation_holding(Generations& generations, uint64_t seq, const std::string& error_prefix) {
+  auto* holder = find_holding(generations, seq);
   if (holder == nullptr) {
     throw ProtocolError(error_prefix + ": no data generation holds message " + std::to_string(seq));
   }
@@ -404,12 +404,7 @@ auto* generation_holding(Generations& generations, uint64_t seq, const std::stri
 template <typename Generation>
 std::vector<Generation> take_superseded(std::vector<Generation>& generations, uint64_t next_seq) {
   std::vector<Generation> superseded;
-  const Generation* current = nullptr;
-  for (const Generation& generation : generations) {
-    if (generation.first_seq <= next_seq && (current == nullptr || supersedes(generation, *current))) {
-      current = &generation;
-    }
-  }
+  const Generation* current = find_holding(generations, next_seq);
   if (current == nullptr) return superseded;
   const uint32_t keep = current->generation;
   auto kept = std::stable_partition(generations.begin(), generations.end(), [&](const Generation& generation) {
@@ -471,6 +466,14 @@ PeerMappings& peer_mappings() {
 }
 
 }  // namespace
+
+size_t round_slot_bytes(size_t bytes, const std::string& prefix) {
+  if (bytes == 0) bytes = 1;
+  if (bytes > std::numeric_limits<size_t>::max() - (kIpcSlotAlignment - 1)) {
+    throw ProtocolError(prefix + ": slot size " + std::to_string(bytes) + " overflows");
+  }
+  return (bytes + kIpcSlotAlignment - 1) / kIpcSlotAlignment * kIpcSlotAlignment;
+}
 
 IpcRingHandleInfo parse_ipc_ring_handles(const std::string& handles) {
   const std::string prefix = "pipecomm ipc ring";
@@ -604,11 +607,7 @@ void IpcRingReceiver::add_generation(size_t slot_bytes, uint64_t first_seq) {
 }
 
 const IpcRingReceiver::Generation& IpcRingReceiver::latest() const {
-  const Generation* newest = &generations_.front();
-  for (const Generation& generation : generations_) {
-    if (supersedes(generation, *newest)) newest = &generation;
-  }
-  return *newest;
+  return *find_holding(generations_, std::numeric_limits<uint64_t>::max());
 }
 
 void IpcRingReceiver::give_back_superseded() noexcept {
@@ -815,15 +814,17 @@ IpcRingSender::~IpcRingSender() { release_all(); }
 void IpcRingSender::release_all() noexcept {
   if (abandoned_ || (flags_ == nullptr && generations_.empty())) return;
   // Sends still queued may touch any mapping: release_after_sync lets them finish first.
-  release_after_sync(device_, [&] {
-    for (Generation& generation : generations_) peer_mappings().release(generation.base);
-    if (flags_ != nullptr) (void)cudaIpcCloseMemHandle(flags_);
-    for (PeerAllocation& allocation : peer_allocations_) peer_mappings().release(allocation.base);
-    unmap_retired_allocations(/*all=*/true);
-  });
+  release_after_sync(device_, [&] { close_mappings(); });
+}
+
+void IpcRingSender::close_mappings() noexcept {
+  unmap_retired_allocations(/*all=*/true);
+  for (Generation& generation : generations_) peer_mappings().release(generation.base);
+  for (PeerAllocation& allocation : peer_allocations_) peer_mappings().release(allocation.base);
+  if (flags_ != nullptr) (void)cudaIpcCloseMemHandle(flags_);
   generations_.clear();
-  flags_ = nullptr;
   peer_allocations_.clear();
+  flags_ = nullptr;
 }
 
 bool IpcRingSender::unmap_when_done(std::chrono::microseconds patience) noexcept {
@@ -852,15 +853,7 @@ bool IpcRingSender::unmap_when_done(std::chrono::microseconds patience) noexcept
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
   for (cudaEvent_t fence : fences) (void)cudaEventDestroy(fence);
-  if (done) {
-    unmap_retired_allocations(/*all=*/true);  // their fences are older than the ones that just passed
-    for (Generation& generation : generations_) peer_mappings().release(generation.base);
-    for (PeerAllocation& allocation : peer_allocations_) peer_mappings().release(allocation.base);
-    if (flags_ != nullptr) (void)cudaIpcCloseMemHandle(flags_);
-    generations_.clear();
-    peer_allocations_.clear();
-    flags_ = nullptr;
-  }
+  if (done) close_mappings();  // the retired ones' fences are older than the ones that just passed
   (void)cudaGetLastError();
   if (previous >= 0 && previous != device_) (void)cudaSetDevice(previous);
   return done;

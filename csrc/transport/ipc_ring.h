@@ -73,6 +73,10 @@ struct CopyRegion {
 // Slot sizes are rounded up to a multiple of this.
 inline constexpr size_t kIpcSlotAlignment = 256;
 
+// The slot size a request of `bytes` gets (at least one alignment unit); ProtocolError, starting with
+// prefix, when it overflows.
+size_t round_slot_bytes(size_t bytes, const std::string& prefix);
+
 // What a serialized handle blob says (export_handles()/grow() output), for checks and diagnostics.
 struct IpcRingHandleInfo {
   std::string pci_bus_id;  // of the receiver's device, e.g. "0000:1B:00.0"
@@ -308,6 +312,8 @@ class IpcRingSender {
   void retire(char* base, const std::vector<cudaStream_t>& streams);
   void retire_superseded();
   void unmap_retired_allocations(bool all) noexcept;
+  // Closes every mapping of the receiver's memory; its copies must be done.
+  void close_mappings() noexcept;
   void release_all() noexcept;
 
   int device_;

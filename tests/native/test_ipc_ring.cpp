@@ -694,15 +694,19 @@ void resize_receiver(Context& ctx, Arena& arena) {
               std::to_string(slot_bytes));
   };
 
+  const auto expect_blob = [](const std::string& blob, uint32_t generation, uint64_t first_seq, size_t slot_bytes,
+                              const std::string& what) {
+    const IpcRingHandleInfo info = parse_ipc_ring_handles(blob);
+    CHECK(info.generation == generation && info.first_seq == first_seq && info.slot_bytes == slot_bytes,
+          what + " blob: generation " + std::to_string(info.generation) + ", first_seq " +
+              std::to_string(info.first_seq) + ", slot_bytes " + std::to_string(info.slot_bytes));
+  };
+
   for (uint64_t seq = 0; seq < kResizeGrowSeq; ++seq) receive(seq);
   expect_state(1, 0, kResizeInitialSlotBytes, "before any resize");
 
   const std::string shrunk = ring.resize(kResizeShrunkSlotBytes, kResizeShrinkSeq);
-  const IpcRingHandleInfo shrunk_info = parse_ipc_ring_handles(shrunk);
-  CHECK(shrunk_info.generation == 1 && shrunk_info.first_seq == kResizeShrinkSeq &&
-            shrunk_info.slot_bytes == kResizeShrunkSlotBytes,
-        "shrink blob: generation " + std::to_string(shrunk_info.generation) + ", first_seq " +
-            std::to_string(shrunk_info.first_seq) + ", slot_bytes " + std::to_string(shrunk_info.slot_bytes));
+  expect_blob(shrunk, 1, kResizeShrinkSeq, kResizeShrunkSlotBytes, "shrink");
   expect_state(2, 1, kResizeShrunkSlotBytes, "after the shrink");
   send_frame(ctx.sock, shrunk);
 
@@ -710,11 +714,7 @@ void resize_receiver(Context& ctx, Arena& arena) {
   CHECK(request == resize_grow_request(), "got '" + request + "', expected '" + resize_grow_request() + "'");
   std::string grown;
   call_with_other_device_current(ctx, [&] { grown = ring.grow(kResizeGrownSlotBytes, kResizeGrowSeq); });
-  const IpcRingHandleInfo grown_info = parse_ipc_ring_handles(grown);
-  CHECK(grown_info.generation == 2 && grown_info.first_seq == kResizeGrowSeq &&
-            grown_info.slot_bytes == kResizeGrownSlotBytes,
-        "grow blob: generation " + std::to_string(grown_info.generation) + ", first_seq " +
-            std::to_string(grown_info.first_seq) + ", slot_bytes " + std::to_string(grown_info.slot_bytes));
+  expect_blob(grown, 2, kResizeGrowSeq, kResizeGrownSlotBytes, "grow");
   // Generation 0 is already out of reach, but only a receive gives generations back; the shrunk one
   // still starts last, so it stays the one slot_bytes() describes.
   expect_state(3, 1, kResizeShrunkSlotBytes, "after the grow");
