@@ -57,6 +57,7 @@ static_assert(sizeof(cudaIpcMemHandle_t) == 64, "unexpected cudaIpcMemHandle_t s
 using StreamMemOpFn = CUresult(CUDAAPI*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 using ErrorStringFn = CUresult(CUDAAPI*)(CUresult, const char**);
 using PointerGetAttributesFn = CUresult(CUDAAPI*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
+using BatchMemOpFn = CUresult(CUDAAPI*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
 
 std::string prefix_or_default(std::string prefix) {
   return prefix.empty() ? std::string("pipecomm ipc ring") : prefix;
@@ -84,6 +85,7 @@ struct DriverApi {
   ErrorStringFn get_error_name = nullptr;    // optional, for messages
   ErrorStringFn get_error_string = nullptr;  // optional, for messages
   PointerGetAttributesFn pointer_get_attributes = nullptr;  // optional: without it, no direct path
+  BatchMemOpFn batch_mem_op = nullptr;  // optional: without it, one call per memory operation
 };
 
 void* lookup_driver_symbol(const char* symbol, bool required, const std::string& prefix) {
@@ -115,6 +117,7 @@ DriverApi load_driver_api(const std::string& prefix) {
   api.get_error_string = reinterpret_cast<ErrorStringFn>(lookup_driver_symbol("cuGetErrorString", false, prefix));
   api.pointer_get_attributes =
       reinterpret_cast<PointerGetAttributesFn>(lookup_driver_symbol("cuPointerGetAttributes", false, prefix));
+  api.batch_mem_op = reinterpret_cast<BatchMemOpFn>(lookup_driver_symbol("cuStreamBatchMemOp", false, prefix));
   return api;
 }
 
@@ -257,6 +260,7 @@ struct Step {
   char* slot = nullptr;
   bool into_slot = true;
   Flag signal;  // none while its flag is null
+  Flag prior_signal;  // a write owed from before (a deferred post), made ahead of the waits; none while null
 
   void wait(const void* flag, uint32_t value, const char* name) { waits[wait_count++] = {flag, value, name}; }
 };
@@ -279,6 +283,53 @@ Step copy_step(const CopyRegion* regions, size_t count, char* slot, bool into_sl
 // operation and then launches the block. Every other step runs as stream memory waits, one copy-engine
 // copy per region and a memory write whose default flags put a barrier before it, so the data is
 // visible before the flag.
+// A step's prior signal and (unless a block polls them) its waits, in order. Each driver call costs the
+// host microseconds, which bound a small message's latency, so two or more go in one batched call.
+template <typename Describe>
+void enqueue_memory_operations(const Step& step, bool with_waits, cudaStream_t stream, const DriverApi& api,
+                               const std::string& prefix, const Describe& what) {
+  const int waits = with_waits ? step.wait_count : 0;
+  const bool prior = step.prior_signal.flag != nullptr;
+  if (waits + (prior ? 1 : 0) > 1 && api.batch_mem_op != nullptr) {
+    CUstreamBatchMemOpParams operations[kSmTransferMaxWaits + 1] = {};
+    unsigned int count = 0;
+    if (prior) {
+      CUstreamBatchMemOpParams& write = operations[count++];
+      write.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+      write.writeValue.address = device_address(step.prior_signal.flag);
+      write.writeValue.value = step.prior_signal.value;
+      write.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+    for (int w = 0; w < waits; ++w) {
+      CUstreamBatchMemOpParams& wait = operations[count++];
+      wait.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+      wait.waitValue.address = device_address(step.waits[w].flag);
+      wait.waitValue.value = step.waits[w].value;
+      wait.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    }
+    if (const CUresult result = api.batch_mem_op(stream, count, operations, 0); result != CUDA_SUCCESS) {
+      std::string names = prior ? step.prior_signal.name : "";
+      for (int w = 0; w < waits; ++w) names += std::string(names.empty() ? "" : " + ") + step.waits[w].name;
+      check_driver(result, api, prefix, "cuStreamBatchMemOp", names + ", " + what());
+    }
+    return;
+  }
+  if (prior) {
+    if (const CUresult result = api.write_value32(stream, device_address(step.prior_signal.flag),
+                                                  step.prior_signal.value, CU_STREAM_WRITE_VALUE_DEFAULT);
+        result != CUDA_SUCCESS) {
+      check_driver(result, api, prefix, "cuStreamWriteValue32", std::string(step.prior_signal.name) + ", " + what());
+    }
+  }
+  for (int w = 0; w < waits; ++w) {
+    const Step::Flag& wait = step.waits[w];
+    if (const CUresult result = api.wait_value32(stream, device_address(wait.flag), wait.value, CU_STREAM_WAIT_VALUE_GEQ);
+        result != CUDA_SUCCESS) {
+      check_driver(result, api, prefix, "cuStreamWaitValue32", std::string(wait.name) + ", " + what());
+    }
+  }
+}
+
 template <typename Describe>
 void enqueue_step(const Step& step, size_t sm_max_bytes, cudaStream_t stream, const DriverApi& api,
                   const std::string& prefix, const Describe& what) {
@@ -290,16 +341,7 @@ void enqueue_step(const Step& step, size_t sm_max_bytes, cudaStream_t stream, co
   }
   const bool by_block = bytes > 0 && bytes <= sm_max_bytes && pieces <= kSmTransferMaxCopies;
   const bool block_waits = by_block && step.into_slot;
-  if (!block_waits) {
-    for (int w = 0; w < step.wait_count; ++w) {
-      const Step::Flag& wait = step.waits[w];
-      if (const CUresult result =
-              api.wait_value32(stream, device_address(wait.flag), wait.value, CU_STREAM_WAIT_VALUE_GEQ);
-          result != CUDA_SUCCESS) {
-        check_driver(result, api, prefix, "cuStreamWaitValue32", std::string(wait.name) + ", " + what());
-      }
-    }
-  }
+  enqueue_memory_operations(step, /*with_waits=*/!block_waits, stream, api, prefix, what);
   if (by_block) {
     SmTransfer transfer;
     if (block_waits) {
@@ -674,6 +716,9 @@ void IpcRingReceiver::enqueue_receive(uint64_t seq, const CopyRegion* regions, s
   // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
   Step step = copy_step(regions, count, slot_data, /*into_slot=*/false, {position.ack, position.round, "ack"});
   step.wait(position.ready, position.round, "ready");
+  if (const uint32_t posted = take_deferred_post(stream)) {
+    step.prior_signal = {posted_counter(flags_, num_slots_), posted, "posted"};
+  }
   enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "out of the slot, " + what(); });
   remember(generation.readers, stream);
   ++next_seq_;
@@ -687,6 +732,9 @@ void IpcRingReceiver::enqueue_receive_direct(uint64_t seq, cudaStream_t stream) 
   const SlotPosition position = slot_position(flags_, num_slots_, seq);
   Step step;
   step.wait(position.ready, position.round, "ready");
+  if (const uint32_t posted = take_deferred_post(stream)) {
+    step.prior_signal = {posted_counter(flags_, num_slots_), posted, "posted"};
+  }
   enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return position.describe(seq) + ", direct"; });
   ++next_seq_;
   if (generations_.size() > 1) give_back_superseded();
@@ -732,11 +780,11 @@ void IpcRingReceiver::enqueue_post(uint64_t post, cudaStream_t stream) {
     throw ProtocolError(error_prefix_ + ": enqueue_post got post " + std::to_string(post) + ", but post " +
                         std::to_string(next_post_ - 1) + " was already posted");
   }
-  const DriverApi& api = driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
   if (posted_before_ && stream != last_post_stream_) {
     // A later post on another stream must not raise the counter before the earlier post's stream
     // got there: order the new stream after the old one.
+    write_deferred_post();
     if (post_fence_ == nullptr) {
       check_cuda(cudaEventCreateWithFlags(&post_fence_, cudaEventDisableTiming), error_prefix_,
                  "cudaEventCreateWithFlags", "post fence");
@@ -744,14 +792,35 @@ void IpcRingReceiver::enqueue_post(uint64_t post, cudaStream_t stream) {
     check_cuda(cudaEventRecord(post_fence_, last_post_stream_), error_prefix_, "cudaEventRecord", "post fence");
     check_cuda(cudaStreamWaitEvent(stream, post_fence_, 0), error_prefix_, "cudaStreamWaitEvent", "post fence");
   }
-  if (const CUresult result = api.write_value32(stream, device_address(posted_counter(flags_, num_slots_)),
-                                                static_cast<cuuint32_t>(post + 1), CU_STREAM_WRITE_VALUE_DEFAULT);
-      result != CUDA_SUCCESS) {
-    check_driver(result, api, error_prefix_, "cuStreamWriteValue32", "posted, post " + std::to_string(post));
-  }
+  // The counter write waits for the next receive on this stream, which makes it in the same driver call
+  // as its own wait, at the same point of the stream: the host enqueues nothing in between.
+  post_deferred_ = true;
   posted_before_ = true;
   last_post_stream_ = stream;
   next_post_ = post + 1;
+}
+
+void IpcRingReceiver::write_deferred_post() {
+  if (!post_deferred_) return;
+  const DriverApi& api = driver_api(error_prefix_);
+  if (const CUresult result = api.write_value32(last_post_stream_, device_address(posted_counter(flags_, num_slots_)),
+                                                static_cast<cuuint32_t>(next_post_), CU_STREAM_WRITE_VALUE_DEFAULT);
+      result != CUDA_SUCCESS) {
+    check_driver(result, api, error_prefix_, "cuStreamWriteValue32", "posted, post " + std::to_string(next_post_ - 1));
+  }
+  post_deferred_ = false;
+  written_posts_ = next_post_;
+}
+
+uint32_t IpcRingReceiver::take_deferred_post(cudaStream_t stream) {
+  if (!post_deferred_) return 0;
+  if (stream != last_post_stream_) {
+    write_deferred_post();
+    return 0;
+  }
+  post_deferred_ = false;
+  written_posts_ = next_post_;  // once the caller's step is enqueued, which is the next thing it does
+  return static_cast<uint32_t>(next_post_);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -156,12 +156,14 @@ class IpcRingReceiver {
   // on `stream`: all of them on the stream of the last post (earlier posts' streams are chained to
   // it), none elsewhere.
   uint64_t posts_ordered_before(cudaStream_t stream) const {
-    return posted_before_ && stream == last_post_stream_ ? next_post_ : 0;
+    return posted_before_ && stream == last_post_stream_ ? written_posts_ : 0;
   }
 
   // Enqueues on `stream` (the one post's buffer was allocated on) posted = post + 1, after
   // everything earlier posts' streams had reached: the counter then only grows on the device,
-  // whatever streams the posts came from. post must exceed every earlier one.
+  // whatever streams the posts came from. post must exceed every earlier one. The write itself goes
+  // with the next receive enqueued on `stream`, in the same driver call (or ahead of a post on, or a
+  // receive on, another stream); until then posts_ordered_before() does not count it.
   void enqueue_post(uint64_t post, cudaStream_t stream);
 
   int device() const { return device_; }
@@ -193,6 +195,9 @@ class IpcRingReceiver {
   void check_not_received(uint64_t first_seq) const;
   const Generation& latest() const;
   void give_back_superseded() noexcept;
+  void write_deferred_post();
+  // The posted value to write ahead of a receive on `stream` (0: none owed there).
+  uint32_t take_deferred_post(cudaStream_t stream);
   std::string serialize(const Generation& generation) const;
   void release_all() noexcept;
 
@@ -210,6 +215,8 @@ class IpcRingReceiver {
   uint64_t next_seq_ = 0;
   std::vector<ExportedAllocation> exported_;
   uint64_t next_post_ = 0;
+  uint64_t written_posts_ = 0;  // the posted value last enqueued
+  bool post_deferred_ = false;  // next_post_ is yet to be written
   bool posted_before_ = false;
   cudaStream_t last_post_stream_ = nullptr;
   cudaEvent_t post_fence_ = nullptr;
