@@ -529,6 +529,8 @@ class IpcChannel {
   }
 
   void drop_posts_through(uint64_t seq) {
+    // Posts are in message order but after a layout change: the front ones go without moving the rest.
+    while (!posts_.empty() && posts_.front().seq <= seq) posts_.pop_front();
     posts_.erase(std::remove_if(posts_.begin(), posts_.end(),
                                 [&](const PostedBuffer& posted) { return posted.seq <= seq; }),
                  posts_.end());
@@ -544,12 +546,17 @@ class IpcChannel {
     if (!posting_enabled_ || received_->offsets.back() == 0) return;
     const int64_t bytes = received_->offsets.back();
     const uint64_t digest = received_->fingerprint;
-    for (uint64_t seq = first_seq; seq < first_seq + post_depth_; ++seq) {
-      if (std::any_of(posts_.begin(), posts_.end(), [&](const PostedBuffer& posted) {
-            return posted.seq == seq && posted.layout->fingerprint == digest;
-          })) {
-        continue;
+    // One layout's posts are made in message order, so the messages that have one of this layout are
+    // those before unposted_seq_: a scan only when the layout differs from the last one posted (a
+    // search per message costs microseconds with many slots).
+    if (digest != posted_digest_) {
+      posted_digest_ = digest;
+      unposted_seq_ = 0;
+      for (const PostedBuffer& posted : posts_) {
+        if (posted.layout->fingerprint == digest) unposted_seq_ = std::max(unposted_seq_, posted.seq + 1);
       }
+    }
+    for (uint64_t seq = std::max(first_seq, unposted_seq_); seq < first_seq + post_depth_; ++seq) {
       if (!post_sender_.can_send_now()) return;  // the sender is not taking posts: it is not sending
       at::Tensor buffer;
       try {
@@ -572,6 +579,7 @@ class IpcChannel {
         return;
       }
       posts_.push_back({seq, record.post, received_, std::move(buffer), caller});
+      unposted_seq_ = seq + 1;
     }
   }
 
@@ -600,6 +608,8 @@ class IpcChannel {
   uint64_t peer_posts_passed_ = 0;
   cudaStream_t peer_posts_stream_ = nullptr;
   std::deque<PostedBuffer> posts_;
+  uint64_t posted_digest_ = 0;  // the layout posted last, and the first message without a post of it
+  uint64_t unposted_seq_ = 0;
   uint64_t next_post_ = 0;
   bool direct_enabled_ = true;
   bool post_ring_open_ = true;
