@@ -3,8 +3,9 @@
 Rank 0 sends a round of messages into a channel with room for all of them (``--slots``), so no send
 waits for the peer; then rank 1 receives them, all arrived, so no receive waits either. The median
 round gives microseconds per call. The layout repeats, so after the first rounds every message goes
-straight into a posted buffer (the ``direct`` column counts them). ``--smoke`` runs the same over shared
-memory on CPU processes.
+straight into a posted buffer (the ``direct`` column counts them). With PIPECOMM_IPC_HOST_TIMING=1 it
+also prints the channel's own phases of each call. ``--smoke`` runs the same over shared memory on CPU
+processes.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def run_rank(rank: int, world_size: int, store_port: int, report, options: dict[
                 per_call.append((time.perf_counter() - started) / options["per_round"] * 1e6)
                 store.set(f"received/{key}", "1")
         direct = channel.direct_messages if backend == "ipc" else (0, 0)
+        phases = channel.host_phase_times()["send" if rank == 0 else "recv"] if backend == "ipc" else []
         channel.close()
-        results[label] = {"us": statistics.median(per_call[2:]), "rounds_us": per_call, "direct": direct[rank]}
+        results[label] = {"us": statistics.median(per_call[2:]), "rounds_us": per_call, "direct": direct[rank],
+                          "phases_us": {name: total / calls for name, total, calls in phases if calls}}
     dist.barrier()
     return {"env": environment(device) if rank == 0 else None, "results": results}
 
@@ -80,6 +83,12 @@ def main() -> None:
         rows.append({"message": label, "send_us": send["us"], "recv_us": receive["us"],
                      "direct_sent": send["direct"], "direct_received": receive["direct"]})
     print_table(rows, ["message", "send_us", "recv_us", "direct_sent", "direct_received"])
+    for rank, call in ((0, "send"), (1, "recv")):
+        for label, _, _ in MESSAGES:
+            phases = outcome[rank]["results"][label]["phases_us"]
+            if phases:  # PIPECOMM_IPC_HOST_TIMING=1, over all rounds
+                print(f"# {call} {label}, µs per call by phase: " +
+                      ", ".join(f"{name} {us:.2f}" for name, us in phases.items()))
     if args.json:
         write_json(args.json, {"env": env, "config": vars(args), "rows": rows,
                                "ranks": {rank: outcome[rank]["results"] for rank in (0, 1)}})

@@ -61,6 +61,11 @@ class IpcChannel(Channel):
         """How many messages went straight into posted buffers: (sent, received)."""
         return self._native.direct_sends, self._native.direct_recvs
 
+    def host_phase_times(self) -> dict[str, list[tuple[str, float, int]]]:
+        """With PIPECOMM_IPC_HOST_TIMING=1 set before connect: for send and for recv, each phase's name,
+        total host microseconds and calls (Python's own share is not in them). Empty lists otherwise."""
+        return self._native.host_phase_times()
+
     def _send(self, tensors):
         needed = self._native_send(tensors)
         if needed:

@@ -24,6 +24,7 @@
 #include "../op_checks.h"
 #include "ipc_ring.h"
 #include "message.h"
+#include "phase_clock.h"
 #include "shm_ring.h"
 
 namespace pipecomm::transport {
@@ -218,6 +219,7 @@ class IpcChannel {
   // Returns 0 once the message is enqueued, or, leaving everything untouched, the slot size the
   // peer must grow to first (the Python layer asks it to, then calls again).
   size_t send(const py::sequence& entries) {
+    send_clock_.start();
     if (!failed_send_.empty()) {
       throw ChannelError(send_direction_ + ": a send failed after its note to the peer went out (" + failed_send_ +
                          "); the peer waits for that message, so this channel cannot send again");
@@ -233,7 +235,9 @@ class IpcChannel {
       digest = fingerprint(*changed_meta);
     }
     py::gil_scoped_release no_gil;
+    send_clock_.lap(kSendEntries);
     const PostRecord* post = post_for_next_message(digest, needed);
+    send_clock_.lap(kSendPosts);
     if (post == nullptr && needed > sender_->slot_bytes()) return needed;
     if (changed_meta) {
       const std::string encoded = encode(*changed_meta);
@@ -263,6 +267,7 @@ class IpcChannel {
     // Read without receiver_mutex_: only this thread posts.
     const DataNote note{direct ? post->post : 0, receiver_.posts_ordered_before(caller)};
     host_sender_.send_bytes(&note, sizeof(note), direct ? kTagDataDirect : kTagData);
+    send_clock_.lap(kSendNote);
     try {
       if (direct) {
         const bool posted_passed = caller == peer_posts_stream_ && post->post < peer_posts_passed_;
@@ -279,6 +284,7 @@ class IpcChannel {
       failed_send_ = "message " + std::to_string(send_seq_) + ": " + error.what();
       throw;
     }
+    send_clock_.lap(kSendCopy);
     if (!on_caller_stream) {
       // Keeps the caching allocator from reusing their memory before the copies have read it.
       for (const at::Tensor& tensor : tensors) {
@@ -286,10 +292,12 @@ class IpcChannel {
       }
     }
     ++send_seq_;
+    send_clock_.lap(kSendRest);
     return 0;
   }
 
   py::tuple recv() {
+    recv_clock_.start();
     Entries incoming;
     {
       py::gil_scoped_release no_gil;
@@ -303,7 +311,9 @@ class IpcChannel {
         const std::lock_guard<std::mutex> lock(receiver_mutex_);
         post_ahead(recv_seq_ + 1, caller_stream().stream());
       }
+      recv_clock_.lap(kRecvEarlyPosts);
       Message message = host_receiver_.recv();
+      recv_clock_.lap(kRecvNoteWait);
       bool layout_changed = false;
       if (message.tag == kTagMeta) {
         received_ = make_layout(
@@ -328,6 +338,7 @@ class IpcChannel {
       // critical path.
       if (!layout_changed && !posted_early) post_ahead(recv_seq_ + 1, caller.stream());
       last_layout_repeated_ = !layout_changed;
+      recv_clock_.lap(kRecvLatePosts);
       if (direct) {
         const PostedBuffer* post = find_post(recv_seq_, post_number);
         if (post == nullptr || (post->layout != received_ && post->layout->meta != received_->meta)) {
@@ -359,6 +370,7 @@ class IpcChannel {
           check_cuda(cudaStreamWaitEvent(caller.stream(), channel_done_, 0), "cudaStreamWaitEvent");
         }
       }
+      recv_clock_.lap(kRecvEnqueue);
       // Either way the caller's stream now waits for this message's ready write.
       peer_posts_passed_ = note.posts_passed;
       peer_posts_stream_ = caller.stream();
@@ -367,8 +379,11 @@ class IpcChannel {
       ++recv_seq_;
       // Released last: the sender may send one message further only once the posts for it are out.
       host_receiver_.release(message.seq);
+      recv_clock_.lap(kRecvRelease);
     }
-    return to_python(incoming);
+    py::tuple out = to_python(incoming);
+    recv_clock_.lap(kRecvToPython);
+    return out;
   }
 
   // Runs on the channel's grow service thread while the owner thread may be receiving.
@@ -460,6 +475,14 @@ class IpcChannel {
     }
     posts_.clear();
     if (!peer_unmapped) receiver_.abandon();
+  }
+
+  // With PIPECOMM_IPC_HOST_TIMING=1: per phase of send and of recv, (name, total µs, calls).
+  py::dict host_phase_times() const {
+    py::dict times;
+    times["send"] = send_clock_.totals();
+    times["recv"] = recv_clock_.totals();
+    return times;
   }
 
   uint64_t next_send_seq() const { return send_seq_; }
@@ -618,6 +641,10 @@ class IpcChannel {
   bool last_layout_repeated_ = false;  // the last message received came without a new layout
   uint64_t direct_sends_ = 0;
   uint64_t direct_recvs_ = 0;
+  enum SendPhase : size_t { kSendEntries, kSendPosts, kSendNote, kSendCopy, kSendRest };
+  enum RecvPhase : size_t { kRecvEarlyPosts, kRecvNoteWait, kRecvLatePosts, kRecvEnqueue, kRecvRelease, kRecvToPython };
+  PhaseClock<5> send_clock_{{"entries", "posts", "note", "copy", "rest"}};
+  PhaseClock<6> recv_clock_{{"early_posts", "note_wait", "late_posts", "enqueue", "release", "to_python"}};
 };
 
 }  // namespace
@@ -635,6 +662,7 @@ void register_ipc_channel(py::module_& module) {
       .def("update", &IpcChannel::update, py::arg("peer_handles"))
       .def("shrink", &IpcChannel::shrink, py::arg("slot_bytes"), py::call_guard<py::gil_scoped_release>())
       .def("transfers_done", &IpcChannel::transfers_done)
+      .def("host_phase_times", &IpcChannel::host_phase_times)
       .def("abandon", &IpcChannel::abandon)
       .def("close", &IpcChannel::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("next_send_seq", &IpcChannel::next_send_seq)
