@@ -295,6 +295,40 @@ def test_ipc_close_frees_exported_memory_only_once_the_peer_unmapped_it(tmp_path
     assert run_ranks(2, ipc_close_handshake, tmp_path, early_closer, timeout=60) == expected
 
 
+def ipc_posted_memory_across_empty_cache(rank: int, world_size: int) -> list:
+    """Bytes cached but unallocated after empty_cache(): with the channel open, then closed."""
+    device = rank_device(rank, "cuda")
+    store = dist.distributed_c10d._get_default_store()
+    channel = transport.connect(1 - rank, backend="ipc", device=device, timeout=30)
+    for seq in range(8):  # a repeated layout: from the third message on, into posted buffers
+        message = torch.full((4 << 20,), float(seq), device=device)  # 16 MB: a segment of its own
+        received = channel.send_recv([message])[0]
+        assert torch.equal(received, message)
+    direct = channel.direct_messages
+    del message, received  # the last received buffer goes back to the cache, its segment still mapped by the peer
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    cached_open = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    store.set(f"measured/{rank}", "1")
+    store.wait([f"measured/{1 - rank}"])
+    channel.close()  # both ends close together: each hears that the other unmapped its memory
+    del channel
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    cached_closed = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    store.set(f"closed/{rank}", "1")
+    store.wait([f"closed/{1 - rank}"])
+    return [direct[1] > 0, cached_open >= 16 << 20, cached_closed < 16 << 20]
+
+
+@needs_cuda
+def test_ipc_empty_cache_keeps_posted_segments_until_the_peer_unmapped_them(tmp_path):
+    # A received tensor's buffer sits in a segment the sender keeps mapped: empty_cache() must not free
+    # it while the channel is open (undefined behaviour), and may once both ends closed.
+    assert run_ranks(2, ipc_posted_memory_across_empty_cache, tmp_path, timeout=60) == [[True, True, True]] * 2
+
+
 def timeout_then_close(rank: int, world_size: int, backend: str, kind: str) -> str:
     with transport.connect(1 - rank, backend=backend, device=rank_device(rank, kind), timeout=0.5) as channel:
         if rank == 1:

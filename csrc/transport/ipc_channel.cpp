@@ -25,6 +25,7 @@
 #include "ipc_ring.h"
 #include "message.h"
 #include "phase_clock.h"
+#include "posted_buffer_pool.h"
 #include "shm_ring.h"
 
 namespace pipecomm::transport {
@@ -469,11 +470,10 @@ class IpcChannel {
     host_receiver_.close();
     post_sender_.close();
     post_receiver_.close();
-    if (unreceived || !peer_unmapped) {
-      static auto* kept = new std::vector<at::Tensor>();  // never freed, on purpose
-      for (PostedBuffer& posted : posts_) kept->push_back(std::move(posted.buffer));
-    }
+    // Unreleased, the pool keeps its memory for the life of the process: a posted buffer the peer may
+    // still map, or still be copying into, never serves another allocation.
     posts_.clear();
+    if (peer_unmapped && !unreceived) posted_memory_.release();
     if (!peer_unmapped) receiver_.abandon();
   }
 
@@ -583,8 +583,12 @@ class IpcChannel {
       if (!post_sender_.can_send_now()) return;  // the sender is not taking posts: it is not sending
       at::Tensor buffer;
       try {
-        buffer = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
+        buffer = posted_memory_.allocate(bytes);
       } catch (const c10::OutOfMemoryError&) {
+        return;
+      }
+      if (!buffer.defined()) {
+        posting_enabled_ = false;  // no pool to keep its segments from being freed under the peer
         return;
       }
       PostRecord record{seq, next_post_, digest, static_cast<uint64_t>(bytes), 0, {}};
@@ -630,6 +634,7 @@ class IpcChannel {
   // reaches the point that message's receive was enqueued at.
   uint64_t peer_posts_passed_ = 0;
   cudaStream_t peer_posts_stream_ = nullptr;
+  PostedBufferPool posted_memory_{device_};
   std::deque<PostedBuffer> posts_;
   uint64_t posted_digest_ = 0;  // the layout posted last, and the first message without a post of it
   uint64_t unposted_seq_ = 0;
