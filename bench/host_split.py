@@ -6,6 +6,10 @@ round gives microseconds per call. The layout repeats, so after the first rounds
 straight into a posted buffer (the ``direct`` column counts them). With PIPECOMM_IPC_HOST_TIMING=1 it
 also prints the channel's own phases of each call. ``--smoke`` runs the same over shared memory on CPU
 processes.
+
+Then the two ranks play ping-pong with the same channel (rank 1 echoes what it receives): the one-way
+time, and each rank's host time in its send and in its recv, where the echoing rank's two calls follow
+each other on the path of every round trip.
 """
 
 from __future__ import annotations
@@ -54,11 +58,45 @@ def run_rank(rank: int, world_size: int, store_port: int, report, options: dict[
                 store.set(f"received/{key}", "1")
         direct = channel.direct_messages if backend == "ipc" else (0, 0)
         phases = channel.host_phase_times()["send" if rank == 0 else "recv"] if backend == "ipc" else []
-        channel.close()
         results[label] = {"us": statistics.median(per_call[2:]), "rounds_us": per_call, "direct": direct[rank],
-                          "phases_us": {name: total / calls for name, total, calls in phases if calls}}
+                          "phases_us": {name: total / calls for name, total, calls in phases if calls},
+                          "ping_pong": ping_pong(rank, channel, message, store, label, options)}
+        channel.close()
     dist.barrier()
     return {"env": environment(device) if rank == 0 else None, "results": results}
+
+
+def ping_pong(rank: int, channel: Any, message: list[torch.Tensor], store: Any, label: str,
+              options: dict[str, Any]) -> dict[str, float]:
+    """Rank 0 sends and then receives, rank 1 receives and echoes; medians over the rounds after the
+    first two: the one-way time (half of rank 0's round trip) and each call's host time on this rank."""
+    send_us, recv_us, round_trip_us = [], [], []
+    for round_index in range(options["rounds"]):
+        key = f"{label}/ping/{round_index}"
+        store.set(f"{key}/{rank}", "1")
+        store.wait([f"{key}/{1 - rank}"])
+        started = time.perf_counter()
+        for _ in range(options["per_round"]):
+            if rank == 0:
+                before = time.perf_counter()
+                channel.send(message)
+                between = time.perf_counter()
+                channel.recv()
+                after = time.perf_counter()
+                send_us.append(between - before)
+                recv_us.append(after - between)
+            else:
+                before = time.perf_counter()
+                received = channel.recv()
+                between = time.perf_counter()
+                channel.send(received)
+                after = time.perf_counter()
+                recv_us.append(between - before)
+                send_us.append(after - between)
+        round_trip_us.append((time.perf_counter() - started) / options["per_round"] * 1e6)
+    skip = 2 * options["per_round"]
+    return {"one_way_us": statistics.median(round_trip_us[2:]) / 2,
+            "send_us": statistics.median(send_us[skip:]) * 1e6, "recv_us": statistics.median(recv_us[skip:]) * 1e6}
 
 
 def main() -> None:
@@ -83,6 +121,16 @@ def main() -> None:
         rows.append({"message": label, "send_us": send["us"], "recv_us": receive["us"],
                      "direct_sent": send["direct"], "direct_received": receive["direct"]})
     print_table(rows, ["message", "send_us", "recv_us", "direct_sent", "direct_received"])
+    print("# ping-pong, rank 1 echoing: one-way = half of rank 0's round trip; median host µs of each call "
+          "(the receive includes the wait for the peer's message)")
+    ping_rows = []
+    for label, _, _ in MESSAGES:
+        first, echo = outcome[0]["results"][label]["ping_pong"], outcome[1]["results"][label]["ping_pong"]
+        ping_rows.append({"message": label, "one_way_us": first["one_way_us"], "rank0_send_us": first["send_us"],
+                          "rank0_recv_us": first["recv_us"], "rank1_recv_us": echo["recv_us"],
+                          "rank1_send_us": echo["send_us"]})
+    print_table(ping_rows, ["message", "one_way_us", "rank0_send_us", "rank0_recv_us", "rank1_recv_us",
+                            "rank1_send_us"])
     for rank, call in ((0, "send"), (1, "recv")):
         for label, _, _ in MESSAGES:
             phases = outcome[rank]["results"][label]["phases_us"]
@@ -90,7 +138,7 @@ def main() -> None:
                 print(f"# {call} {label}, µs per call by phase: " +
                       ", ".join(f"{name} {us:.2f}" for name, us in phases.items()))
     if args.json:
-        write_json(args.json, {"env": env, "config": vars(args), "rows": rows,
+        write_json(args.json, {"env": env, "config": vars(args), "rows": rows, "ping_pong": ping_rows,
                                "ranks": {rank: outcome[rank]["results"] for rank in (0, 1)}})
 
 

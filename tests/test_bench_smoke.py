@@ -46,9 +46,13 @@ def test_e2e_smoke_sweeps_micro_batch_counts(tmp_path):
 def test_host_split_smoke_times_send_and_recv_apart(tmp_path):
     result = run_bench("host_split.py", "--rounds", "4", "--per-round", "8", "--json", str(tmp_path / "split.json"))
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads((tmp_path / "split.json").read_text())["rows"]
+    report = json.loads((tmp_path / "split.json").read_text())
+    rows = report["rows"]
     assert [row["message"] for row in rows] == ["1 x 4 KB", "8 x 8 KB"]
     assert all(row["send_us"] > 0 and row["recv_us"] > 0 for row in rows), rows
+    ping = report["ping_pong"]
+    assert [row["message"] for row in ping] == ["1 x 4 KB", "8 x 8 KB"]
+    assert all(value > 0 for row in ping for key, value in row.items() if key != "message"), ping
 
 
 @pytest.mark.parametrize("counts", ["1,8", "8,x"])
