@@ -24,10 +24,6 @@ class PostedBufferPool {
   PostedBufferPool(const PostedBufferPool&) = delete;
   PostedBufferPool& operator=(const PostedBufferPool&) = delete;
 
-  // Whether posting may go on: false once the allocator turned the pool down (e.g. another allocator
-  // backend), as the caller then has no buffer the peer could safely map.
-  bool usable() const { return usable_; }
-
   // `bytes` of device memory from the pool, allocated on the calling thread (which the pool's filter
   // picks out, so other threads' allocations meanwhile stay in torch's ordinary pools). Throws
   // c10::OutOfMemoryError like at::empty; returns an undefined tensor once the pool is unusable.
