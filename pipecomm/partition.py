@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipecomm.capture import capture_split
+
 __all__ = ["BALANCE_MODES", "StageModule", "merge_checkpoints", "split"]
 
 BALANCE_MODES = ("parameters", "uniform", "profile")
@@ -94,17 +96,30 @@ def split(
     balance: str | Sequence[int] | None = None,
     sample_inputs: tuple | None = None,
     device: torch.device | str | None = None,
-) -> StageModule | list[StageModule]:
+    *,
+    example_inputs: tuple | None = None,
+    example_kwargs: dict | None = None,
+) -> nn.Module | list[nn.Module]:
     """The part of ``model`` that pipeline stage ``stage`` runs (a list of them when ``stage`` is a list).
 
-    Supported models: an ``nn.Sequential``, or any module whose forward calls its top-level children
-    one after the other in registration order, each child's output being the next child's input (a
-    tuple output passed unpacked as positional arguments). The model's own ``forward`` is never run
-    or traced: a model that does more (a residual around children, keyword arguments, reshapes
-    between children) is split wrongly without notice. The units placed on stages, called *layers*,
-    are the top-level children, except that a ``ModuleList`` child (which has no forward) contributes
-    its elements, named ``blocks.0``, ``blocks.1``, ... A model holding parameters or buffers of its
-    own, outside every child, is a ValueError.
+    **A model with its own forward** (anything but an ``nn.Sequential`` chain, e.g. a Hugging Face
+    model) is cut by capturing that forward with torch.export on one micro-batch,
+    ``model(*example_inputs, **example_kwargs)``, and cutting the captured graph where the
+    ``pipeline_stage`` annotations say (``pipecomm.capture``). Annotations may sit on modules at any
+    depth (``model.transformer.h[3].pipeline_stage = 1``); a module takes its own annotation or its
+    nearest annotated ancestor's; functional code outside annotated modules goes where the data flow
+    puts it, and every value crossing a cut is sent, skips over several stages included. A module
+    that lands whole on one stage runs as the user's own module. Stage 0 takes the model's own
+    arguments, the last stage returns the model's own output. Without ``example_inputs`` /
+    ``example_kwargs`` such a model is a ValueError, never a silent chain of its children; a
+    forward torch.export cannot capture (control flow on tensor contents) is a ValueError naming the
+    construct. ``balance`` needs an ``nn.Sequential``.
+
+    **An nn.Sequential, or a module without a forward of its own** (its children, run in order, each
+    output feeding the next child, a tuple unpacked into positional arguments) is split as that
+    chain. The units placed on stages, called *layers*, are its children, except that a ``ModuleList`` child (which has no forward) contributes its elements,
+    named ``blocks.0``, ``blocks.1``, ... An annotation below the layers needs ``example_inputs``,
+    and the model is then captured as above.
 
     Placement, when any layer carries a ``pipeline_stage`` attribute (MindSpore / OneFlow style):
     every layer with parameters must carry one, in ``[0, num_stages)``, not decreasing in execution
@@ -128,8 +143,23 @@ def split(
     The returned modules reuse the original layer objects, nothing is copied. With ``device``, only
     the requested stages' layers are moved there (a Parameter shared with another stage moves too).
     """
-    layers = _layers(model)
     stages = list(stage) if isinstance(stage, Sequence) else [stage]
+    if _needs_capture(model):
+        if balance is not None:
+            raise ValueError(f"split: balance={balance!r} splits an nn.Sequential chain; {type(model).__name__} "
+                             "defines its own forward, so annotate its submodules with pipeline_stage instead")
+        if example_inputs is None and example_kwargs is None:
+            raise ValueError(
+                f"split: {type(model).__name__} defines its own forward (or carries annotations below its "
+                "children), which split captures to cut exactly; pass example_inputs= (and example_kwargs=): "
+                "one micro-batch of the model's arguments. Splitting it as a plain chain of its children could "
+                "drop the functional code between them"
+            )
+        _check_stage_arguments(num_stages, stages, num_stages)
+        captured = capture_split(model, num_stages, stages, tuple(example_inputs or ()), dict(example_kwargs or {}),
+                                 None if device is None else torch.device(device))
+        return captured if isinstance(stage, Sequence) else captured[0]
+    layers = _layers(model)
     _check_stage_arguments(num_stages, stages, len(layers))
     stage_of_layer = _annotated_stages(model, layers, num_stages, balance)
     if stage_of_layer is None:
@@ -171,6 +201,22 @@ def merge_checkpoints(state_dicts: Sequence[Mapping[str, Any]]) -> dict[str, Any
 
 
 # -- layers and placement --------------------------------------------------------------------------
+
+
+def _needs_capture(model: nn.Module) -> bool:
+    """Whether the model's forward must be captured: it has one of its own, or annotations sit below its layers.
+
+    An ``nn.Sequential`` and a module with no forward of its own can only mean their children in order.
+    """
+    if type(model).forward not in (nn.Module.forward, nn.Sequential.forward):
+        return True
+    layer_names = set()
+    for name, child in model._modules.items():
+        if isinstance(child, nn.ModuleList):
+            layer_names.update(f"{name}.{index}" for index in range(len(child)))
+        layer_names.add(name)
+    return any(name and name not in layer_names and hasattr(module, "pipeline_stage")
+               for name, module in model.named_modules(remove_duplicate=False))
 
 
 def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -217,13 +263,6 @@ def _check_stage_arguments(num_stages: int, stages: list[int], num_layers: int) 
 
 def _annotated_stages(model, layers, num_stages, balance) -> list[int] | None:
     """Each layer's stage from ``pipeline_stage`` attributes, or None when no layer carries one."""
-    layer_names = {name for name, _ in layers}
-    for name, module in model.named_modules(remove_duplicate=False):
-        if name and name not in layer_names and hasattr(module, "pipeline_stage"):
-            raise ValueError(
-                f"split: {name!r} carries pipeline_stage but is not a layer; split places whole top-level "
-                f"children (and ModuleList elements), so annotate those"
-            )
     annotated = [name for name, layer in layers if hasattr(layer, "pipeline_stage")]
     if not annotated:
         return None

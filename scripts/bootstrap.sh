@@ -10,7 +10,10 @@ missing=()
   || missing+=("setuptools>=64")
 # numpy: torch's wheel does not pull it in, but torch.distributed's object collectives (all_gather_object,
 # gather_object, which pipecomm uses) need it.
-for module_and_package in wheel:wheel numpy:numpy pytest:pytest pytest_benchmark:pytest-benchmark; do
+# transformers: the real-model tests build Hugging Face models from configs (no weights are downloaded);
+# pinned, since its models' code is what the capture tests exercise.
+for module_and_package in wheel:wheel numpy:numpy pytest:pytest pytest_benchmark:pytest-benchmark \
+    transformers:transformers==5.24.0; do
   "$python" -c "import ${module_and_package%%:*}" 2>/dev/null || missing+=("${module_and_package#*:}")
 done
 command -v ninja >/dev/null || missing+=(ninja)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+VOCAB = 64  # of the tiny language models
+
 
 class MaskedBlock(nn.Module):
     """A transformer-like residual MLP block that also carries a bool mask across the stage boundary."""
@@ -18,3 +20,71 @@ class MaskedBlock(nn.Module):
     def forward(self, x, mask):
         update = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
         return x + update * mask.unsqueeze(-1), mask
+
+
+def gpt2(num_stages: int, layers: int = 4):
+    """A tiny transformers GPT-2 (tied embedding and LM head, no dropout), annotated on its own submodules."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=layers, n_head=2, use_cache=False,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    model.transformer.wte.pipeline_stage = model.transformer.wpe.pipeline_stage = 0
+    for index, block in enumerate(model.transformer.h):
+        block.pipeline_stage = index * num_stages // layers
+    model.transformer.ln_f.pipeline_stage = model.lm_head.pipeline_stage = num_stages - 1
+    return model
+
+
+def llama(num_stages: int, layers: int = 4):
+    """A tiny transformers Llama (rotary embeddings, grouped-query attention), annotated on its own submodules."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, use_cache=False,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    model.model.embed_tokens.pipeline_stage = 0
+    for index, block in enumerate(model.model.layers):
+        block.pipeline_stage = index * num_stages // layers
+    model.model.norm.pipeline_stage = model.lm_head.pipeline_stage = num_stages - 1
+    return model
+
+
+
+class ResidualCNN(nn.Module):
+    """A ResNet-like CNN whose forward calls functional ops between its children: relu, a residual add, flatten."""
+
+    def __init__(self, channels: int = 4, classes: int = 5):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.head = nn.Linear(channels * 16, classes)
+
+    def forward(self, images):
+        x = torch.nn.functional.relu(self.stem(images))
+        skip = x
+        x = torch.nn.functional.relu(self.conv1(x))
+        x = self.conv2(x) + skip
+        x = torch.nn.functional.adaptive_avg_pool2d(torch.relu(x), 4)
+        return self.head(torch.flatten(x, 1))
+
+
+class LongSkip(nn.Module):
+    """Four linear blocks; the first one's output is added back after the last, three stages later."""
+
+    def __init__(self, hidden: int = 8):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(4))
+        for index, block in enumerate(self.blocks):
+            block.pipeline_stage = index
+
+    def forward(self, x):
+        first = torch.tanh(self.blocks[0](x))
+        h = first
+        for block in self.blocks[1:]:
+            h = torch.tanh(block(h))
+        return h + first

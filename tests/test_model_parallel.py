@@ -69,7 +69,7 @@ def build(num_stages: int) -> TiedLM:
 def tied_weights(rank: int, world_size: int) -> str:
     model = build(world_size)
     reference = copy.deepcopy(model)
-    stage = pipecomm.split(model, world_size, rank)
+    stage = pipecomm.split(model, world_size, rank, example_inputs=tokens(0, 2)[:1])
     if rank in (0, world_size - 1):
         assert stage.shared_parameters == {"embed.weight" if rank == 0 else "head.weight": (0, world_size - 1)}
     pipe = pipecomm.Pipeline(stage, stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=4, timeout=60)
@@ -107,7 +107,7 @@ def data_times_pipeline(rank: int, world_size: int) -> str:
     assert (context.num_stages, context.data_size) == (2, 2)
     model = build(2)
     reference = copy.deepcopy(model)
-    stage = pipecomm.split(model, 2, context.stage)
+    stage = pipecomm.split(model, 2, context.stage, example_inputs=tokens(0, 2)[:1])
     pipe = pipecomm.Pipeline(
         stage, stage=context.stage, num_stages=2, loss_fn=loss_fn, micro_batches=2,
         group=context.pipeline_group, data_group=context.data_group, timeout=60,
@@ -137,7 +137,7 @@ def test_data_parallel_times_pipeline_equals_single_process_on_the_global_batch(
 
 def checkpoint_round_trip(rank: int, world_size: int) -> str:
     model = build(world_size)
-    stage = pipecomm.split(model, world_size, rank)
+    stage = pipecomm.split(model, world_size, rank, example_inputs=tokens(0, 2)[:1])
     pipe = pipecomm.Pipeline(stage, stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=2, timeout=60)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
     for step in range(2):

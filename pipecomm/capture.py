@@ -1,0 +1,525 @@
+"""Splitting a model by its own ``forward``: captured with torch.export on one micro-batch, cut where annotations say.
+
+The model's forward is exported (non-strict, every input dimension dynamic) with the call
+signature of every *unit* preserved. A unit is a module that runs whole on one stage: the largest
+modules whose annotation (``pipeline_stage``, their own or their nearest annotated ancestor's) is
+the same throughout, plus the largest unannotated modules with no annotation inside, which go where
+the data flow puts them. Each unit's traced body is replaced by a call to the user's own module, so
+its hooks, ``torch.compile``, CUDA graphs and zb-h1's weight-gradient deferral see the module as
+usual. What is left, the functional glue (``F.relu``, residual adds, reshapes, masks), stays as
+captured ATen ops and runs on the stage its annotated module gives or, outside every annotated
+module, on the earliest stage where all its inputs exist. Every value that one stage produces and a
+later stage uses crosses each boundary in between.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.export import Dim
+from torch.export.graph_signature import InputKind, OutputKind
+
+__all__: list[str] = []
+
+
+class CapturedStage(torch.fx.GraphModule):
+    """One stage of a captured model: a graph over the user's own modules and the glue between them.
+
+    Stage 0 takes the model's own arguments; the last stage returns the model's own output
+    structure; in between, a stage takes and returns the flat tuple of values crossing its
+    boundaries. Submodules, parameters and buffers sit under their names in the original model, so
+    ``state_dict()`` keys are the original keys.
+
+    Attributes (as on ``StageModule``): ``stage_index``, ``num_stages``, ``layer_names`` (the
+    units this stage calls, by qualified name), ``shared_parameters`` (names of parameters other
+    stages hold too, mapped to the stages holding them), ``boundary_names`` (what this stage sends
+    to the next, as graph value names).
+    """
+
+    stage_index: int
+    num_stages: int
+    layer_names: tuple[str, ...]
+    shared_parameters: dict[str, tuple[int, ...]]
+    boundary_names: tuple[str, ...]
+
+    def original_names(self) -> dict[str, str]:
+        return {key: key for key in self.state_dict()}
+
+
+def capture_split(
+    model: nn.Module,
+    num_stages: int,
+    stages: Sequence[int],
+    example_args: tuple,
+    example_kwargs: dict,
+    device: torch.device | None,
+) -> list[CapturedStage]:
+    """The requested stages of ``model``, cut from one capture of its forward."""
+    stage_of = _effective_stages(model, num_stages)
+    units = _units(model, stage_of)
+    exported = _export(model, example_args, example_kwargs, units)
+    graph = _outline_units(exported, set(units))
+    placement = _place(graph, stage_of, num_stages)
+    built = _cut(model, exported, graph, placement, num_stages, device)
+    _name_shared_parameters(built)
+    built[0].register_forward_pre_hook(_ArgumentCheck(model, example_args, example_kwargs, built[0], exported),
+                                       with_kwargs=True)
+    chosen = [built[index] for index in stages]
+    if device is not None:
+        for module in chosen:
+            module.to(device)
+    return chosen
+
+
+# -- annotations -----------------------------------------------------------------------------------
+
+
+def _effective_stages(model: nn.Module, num_stages: int) -> dict[str, int | None]:
+    """Every module's stage: its own ``pipeline_stage``, else its nearest annotated ancestor's, else None."""
+    stage_of: dict[str, int | None] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        inherited = stage_of[name.rpartition(".")[0]] if name else None
+        if hasattr(module, "pipeline_stage"):
+            assigned = module.pipeline_stage
+            if isinstance(assigned, bool) or not isinstance(assigned, int) or not 0 <= assigned < num_stages:
+                raise ValueError(f"split: {name or 'the model'!r} has pipeline_stage={assigned!r}; it must be an "
+                                 f"int in [0, {num_stages})")
+            inherited = assigned
+        stage_of[name] = inherited
+    if not any(stage is not None for stage in stage_of.values()):
+        raise ValueError(f"split: {type(model).__name__} defines its own forward, so split cuts it by "
+                         "pipeline_stage annotations on its submodules, and none carries one; annotate them "
+                         "(any depth), or pass an nn.Sequential to balance automatically")
+    return stage_of
+
+
+def _units(model: nn.Module, stage_of: dict[str, int | None]) -> list[str]:
+    """The largest submodules that run whole on one stage, or, unannotated, hold no annotation inside."""
+    subtree_stages: dict[str, set] = collections.defaultdict(set)
+    for name, stage in stage_of.items():
+        parts = name.split(".") if name else []
+        for depth in range(len(parts) + 1):
+            subtree_stages[".".join(parts[:depth])].add(stage)
+    units = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for child_name, child in module._modules.items():
+            if child is None:
+                continue
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            whole = len(subtree_stages[name]) == 1
+            if whole and type(child).forward is not nn.Module.forward:
+                units.append(name)
+            else:
+                visit(name, child)
+
+    if len(subtree_stages[""]) == 1:
+        raise ValueError("split: the whole model sits on one stage; there is nothing to cut")
+    visit("", model)
+    return units
+
+
+# -- capture ---------------------------------------------------------------------------------------
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, units: list[str]) -> torch.export.ExportedProgram:
+    """The model's forward on the example micro-batch, every tensor dimension left to torch.export."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    dynamic_shapes = {
+        name: pytree.tree_map(lambda value: {d: Dim.AUTO for d in range(value.dim())}
+                              if isinstance(value, torch.Tensor) else None, value)
+        for name, value in bound.arguments.items()
+    }
+    kinds = {param.name: param.kind for param in inspect.signature(model.forward).parameters.values()}
+    if any(kinds[name] in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for name in bound.arguments):
+        dynamic_shapes = None  # torch.export names *args/**kwargs differently; fall back to its default
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return torch.export.export(model, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic_shapes,
+                                       preserve_module_call_signature=tuple(units))
+    except Exception as error:  # noqa: BLE001 - every capture failure becomes the same clear error
+        raise ValueError(_capture_failure(model, error)) from error
+
+
+def _capture_failure(model: nn.Module, error: Exception) -> str:
+    text = str(error)
+    lines = [line for line in text.splitlines() if line.strip()]
+    where = [line.strip() for line in lines if line.strip().startswith(("File ", "User Stack", "Potential framework"))]
+    data_dependent = any(word in text for word in ("data-dependent", "data dependent", "GuardOnDataDependent",
+                                                   "Could not guard on", "DataDependent"))
+    construct = ("control flow or a Python value that depends on tensor contents (an `if` on a tensor, "
+                 ".item(), .tolist(), a nonzero-sized result)") if data_dependent else "an operation torch.export cannot capture"
+    summary = lines[0] if lines else type(error).__name__
+    location = f" at {where[0]}" if where else ""
+    return (f"split: cannot capture {type(model).__name__}.forward on example_inputs: it uses {construct}{location}. "
+            f"torch.export said: {type(error).__name__}: {summary[:400]}. Make that code depend on shapes or "
+            "Python values only, or annotate at a coarser level by splitting the model by hand into stage modules "
+            "(nn.Sequential children) and passing them to pipecomm.Pipeline")
+
+
+class _ArgumentCheck:
+    """Stage 0's forward pre-hook: the model's arguments, given as in any call of its forward, put in the
+    positional/keyword form of the capture and checked against the shapes the capture holds for."""
+
+    def __init__(self, model: nn.Module, example_args: tuple, example_kwargs: dict, stage: nn.Module, exported):
+        self.signature = inspect.signature(model.forward)
+        names = list(self.signature.parameters)
+        self.positional = names[: len(example_args)]
+        self.keywords = list(example_kwargs)
+        self.placeholders = [node for node in stage.graph.nodes if node.op == "placeholder"]
+        self.range_constraints = exported.range_constraints
+
+    def __call__(self, module, args, kwargs):
+        try:
+            bound = self.signature.bind(*args, **kwargs).arguments
+        except TypeError as error:
+            raise ValueError(f"split: stage 0 takes the model's forward arguments: {error}") from error
+        expected = set(self.positional) | set(self.keywords)
+        if set(bound) != expected:
+            raise ValueError(f"split: the model was captured with arguments {sorted(expected)} but is called with "
+                             f"{sorted(bound)}; capture it with example inputs of the same arguments")
+        args = tuple(bound[name] for name in self.positional)
+        kwargs = {name: bound[name] for name in self.keywords}
+        flat = pytree.tree_flatten_with_path((args, kwargs))[0]
+        try:
+            torch._export.utils._check_input_constraints_for_graph(self.placeholders, flat, self.range_constraints)
+        except RuntimeError as error:
+            raise ValueError(f"split: these inputs do not fit the captured forward: {error}. The capture holds "
+                             "for the shapes torch.export could keep symbolic; capture with an example micro-batch "
+                             "of at least 2 samples and sequence positions") from error
+        return args, kwargs
+
+
+# -- units back to module calls --------------------------------------------------------------------
+
+
+def _unit_call_of(node: torch.fx.Node, units: set[str]) -> str | None:
+    """The unit call (``fqn``, or ``fqn@n`` for its n-th repeat) whose traced body ``node`` belongs to."""
+    for key, (fqn, _) in (node.meta.get("nn_module_stack") or {}).items():
+        if fqn in units:
+            return fqn + ("@" + key.rsplit("@", 1)[1] if "@" in key else "")
+    return None
+
+
+def _outline_units(exported, units: set[str]) -> torch.fx.Graph:
+    """The exported graph with every unit's body replaced by a call of the user's module."""
+    signatures = {entry.fqn: entry.signature for entry in exported.module_call_graph if entry.signature}
+    state_inputs = {spec.arg.name: spec for spec in exported.graph_signature.input_specs
+                    if spec.kind != InputKind.USER_INPUT}
+    unit_outputs = _check_mutations(exported, units)
+    graph = torch.fx.Graph()
+    values: dict[str, Any] = {}  # exported node name -> value in the new graph
+    specs: dict[str, Any] = {}
+    outlined: set[str] = set()
+    body_of = {node: _unit_call_of(node, units) for node in exported.graph.nodes}
+
+    def value(arg):
+        return pytree.tree_map_only(torch.fx.Node, lambda node: values[node.name], arg)
+
+    for node in exported.graph.nodes:
+        call = body_of[node]
+        if node.op == "placeholder":
+            spec = state_inputs.get(node.name)
+            if spec is None:
+                values[node.name] = graph.placeholder(node.name)
+                values[node.name].meta = dict(node.meta)
+            elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                values[node.name] = _Deferred(spec.target)
+            else:
+                specs[spec.target] = exported.constants[spec.target]
+                values[node.name] = _Deferred(spec.target)
+        elif node.op == "output":
+            user_outputs = [arg for arg, out in zip(node.args[0], exported.graph_signature.output_specs)
+                            if out.kind == OutputKind.USER_OUTPUT]
+            graph.output(tuple(_materialize(graph, value(arg)) for arg in user_outputs))
+        elif call is None:
+            args = pytree.tree_map(lambda v: _materialize(graph, v), value(node.args))
+            kwargs = pytree.tree_map(lambda v: _materialize(graph, v), value(node.kwargs))
+            new = graph.call_function(node.target, args, kwargs)
+            new.meta = dict(node.meta)
+            values[node.name] = new
+        elif call not in outlined:
+            outlined.add(call)
+            _emit_unit_call(graph, call, signatures[call], values, specs)
+    for node in exported.graph.nodes:
+        call = body_of[node]
+        if call is not None and node.name not in values:
+            escaping = [user for user in node.users if body_of[user] != call and user.op != "output"]
+            if escaping and node.name not in unit_outputs:
+                raise ValueError(f"split: {node.name}, computed inside {call.split('@')[0]!r}, is used outside it "
+                                 "without being one of its outputs; annotate its parent instead")
+    _drop_unused(graph)
+    graph.lint()
+    graph._pipecomm_attributes = specs  # spec and constant attributes the stage modules need
+    return graph
+
+
+def _drop_unused(graph: torch.fx.Graph) -> None:
+    """Removes what only the replaced unit bodies used: shape reads, attribute reads, tuple picks."""
+    pure = (torch.ops.aten.sym_size.int, operator.getitem)
+    for node in reversed(graph.nodes):
+        if not node.users and (node.op == "get_attr" or (node.op == "call_function" and node.target in pure)):
+            graph.erase_node(node)
+
+
+class _Deferred:
+    """A parameter, buffer or constant of the model: a get_attr emitted where it is used."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+
+def _materialize(graph: torch.fx.Graph, value):
+    if isinstance(value, _Deferred):
+        return graph.get_attr(value.target)
+    return value
+
+
+def _emit_unit_call(graph: torch.fx.Graph, call: str, signature, values: dict, specs: dict) -> None:
+    """``module(*args, **kwargs)`` with the unit's original arguments; its flat outputs bound to their names."""
+    fqn = call.split("@")[0]
+    leaves = [arg.value if type(arg).__name__ == "ConstantArgument" else _materialize(graph, values[arg.name])
+              for arg in signature.inputs]
+    args_spec, kwargs_spec = _children(signature.in_spec)
+    per_argument = list(_subtrees(leaves, args_spec)) + list(_subtrees(leaves[args_spec.num_leaves:], kwargs_spec))
+    arguments = [_rebuild(graph, sub_leaves, sub_spec, specs, call) for sub_leaves, sub_spec in per_argument]
+    positional = tuple(arguments[: args_spec.num_children])
+    keywords = dict(zip(kwargs_spec.context, arguments[args_spec.num_children:]))
+    result = graph.call_module(fqn, positional, keywords)
+    out_spec = signature.out_spec
+    outputs = signature.outputs
+    if out_spec.is_leaf():
+        flat = [result]
+    elif out_spec.type in (tuple, list) and all(child.is_leaf() for child in _children(out_spec)):
+        flat = [graph.call_function(operator.getitem, (result, index)) for index in range(out_spec.num_leaves)]
+    else:
+        name = f"_pipecomm_out_spec_{len(specs)}"
+        specs[name] = out_spec
+        flattened = graph.call_function(_flatten_as, (result, graph.get_attr(name)))
+        flat = [graph.call_function(operator.getitem, (flattened, index)) for index in range(out_spec.num_leaves)]
+    for argument, node in zip(outputs, flat):
+        if type(argument).__name__ != "ConstantArgument":
+            values[argument.name] = node
+
+
+def _subtrees(leaves: list, spec):
+    """(leaves, spec) of each child of a tuple/dict spec, in order."""
+    offset = 0
+    for child in _children(spec):
+        yield leaves[offset : offset + child.num_leaves], child
+        offset += child.num_leaves
+
+
+def _children(spec) -> list:
+    return list(spec.children()) if callable(getattr(spec, "children", None)) else list(spec.children_specs)
+
+
+def _rebuild(graph: torch.fx.Graph, leaves: list, spec, specs: dict, call: str):
+    """One argument of a unit call from its flat leaves: the leaf itself, or a tree_unflatten node."""
+    if spec.is_leaf():
+        return leaves[0]
+    name = f"_pipecomm_in_spec_{len(specs)}"
+    specs[name] = spec
+    return graph.call_function(pytree.tree_unflatten, (list(leaves), graph.get_attr(name)))
+
+
+def _flatten_as(value, spec) -> list:
+    return torch.fx._pytree.tree_flatten_spec(value, spec)
+
+
+def _check_mutations(exported, units: set[str]) -> set[str]:
+    """Buffer updates inside units (BatchNorm statistics) happen in the user's module; any other mutation is refused."""
+    unit_outputs = set()
+    for spec in exported.graph_signature.output_specs:
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            if not any(spec.target.startswith(unit + ".") for unit in units):
+                raise ValueError(f"split: the forward updates buffer {spec.target!r} outside every annotated module "
+                                 "(it would not be updated in the pipeline); move that code into a module")
+            unit_outputs.add(spec.arg.name)
+        elif spec.kind != OutputKind.USER_OUTPUT:
+            raise ValueError(f"split: the forward mutates {spec.target!r} in place ({spec.kind.name}), which a "
+                             "captured pipeline stage cannot reproduce")
+    return unit_outputs
+
+
+# -- placement -------------------------------------------------------------------------------------
+
+
+def _place(graph: torch.fx.Graph, stage_of: dict, num_stages: int) -> dict:
+    """Each node's stage: an annotated unit's own, the rest by data flow.
+
+    Glue is never pinned to the module whose forward holds it: that module spans several stages
+    (else it would be a unit), and its code between them belongs wherever its inputs are.
+    """
+    placement: dict[torch.fx.Node, int] = {}
+    fixed: dict[torch.fx.Node, str] = {}
+    for node in graph.nodes:
+        if node.op == "call_module" and stage_of.get(node.target) is not None:
+            placement[node] = stage_of[node.target]
+            fixed[node] = node.target
+    # No producer (a constant, an arange of a literal): as late as its first consumer, so it is not carried.
+    for node in reversed(graph.nodes):
+        if node.op == "output":
+            placement[node] = num_stages - 1
+        elif node.op == "placeholder":
+            placement[node] = 0
+        elif node not in placement and not _producers(node) and node.op != "get_attr":
+            consumers = [placement[user] for user in node.users if user in placement]
+            placement[node] = min(consumers) if consumers else 0
+    for node in graph.nodes:
+        if node not in placement and node.op != "get_attr":
+            placement[node] = max((placement[p] for p in _producers(node)), default=0)
+    # A unit's argument rebuilt from its leaves (rotary cos/sin as a tuple) is built where the unit runs,
+    # so that the leaves cross once rather than once per consuming unit.
+    for node in reversed(graph.nodes):
+        if node.target is pytree.tree_unflatten and node not in fixed and node.users:
+            placement[node] = max(placement[node], min(placement[user] for user in node.users))
+    for node in graph.nodes:
+        for producer in _producers(node):
+            if placement[producer] > placement[node]:
+                raise ValueError(
+                    f"split: {_describe(node, fixed, placement)} uses a value that {_describe(producer, fixed, placement)} "
+                    f"computes; stages must not decrease along the data flow")
+    used = {stage for node, stage in placement.items() if node.op in ("call_module", "call_function")}
+    for stage in range(num_stages):
+        if stage not in used:
+            raise ValueError(f"split: stage {stage} gets nothing to compute; annotate modules onto every stage in "
+                             f"[0, {num_stages})")
+    return placement
+
+
+def _producers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [arg for arg in node.all_input_nodes if arg.op != "get_attr"]
+
+
+def _describe(node: torch.fx.Node, fixed: dict, placement: dict) -> str:
+    if node in fixed:
+        return f"{fixed[node]!r} (pipeline_stage {placement[node]})"
+    stack = node.meta.get("stack_trace", "")
+    line = [text.strip() for text in stack.splitlines() if text.strip().startswith("File")][-1:] if stack else []
+    where = f" ({line[0]})" if line else ""
+    return f"the operation {node.name}{where} on stage {placement[node]}"
+
+
+# -- cutting ---------------------------------------------------------------------------------------
+
+
+def _cut(model, exported, graph: torch.fx.Graph, placement: dict, num_stages: int, device) -> list[CapturedStage]:
+    nodes = [node for node in graph.nodes if node.op not in ("get_attr",)]
+    last_use = {node: max((placement[user] for user in node.users), default=placement[node]) for node in nodes}
+    attributes = dict(graph._pipecomm_attributes)
+    capture_device = _capture_device(exported)
+    stages = []
+    inputs = [node for node in graph.nodes if node.op == "placeholder"]
+    for stage in range(num_stages):
+        crossing = [node for node in nodes if node.op != "output" and placement[node] <= stage < last_use[node]]
+        stage_graph = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        for node in inputs if stage == 0 else received:
+            env[node] = stage_graph.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+        for node in graph.nodes:
+            if node.op in ("placeholder", "get_attr", "output") or placement[node] != stage:
+                continue
+            env[node] = stage_graph.node_copy(node, lambda arg: _local(stage_graph, env, arg))
+            if device is not None:
+                env[node].args, env[node].kwargs = _moved(env[node].args, capture_device, device), \
+                    _moved(env[node].kwargs, capture_device, device)
+        if stage == num_stages - 1:
+            output = next(node for node in graph.nodes if node.op == "output")
+            stage_graph.output(pytree.tree_map_only(torch.fx.Node, lambda arg: _local(stage_graph, env, arg), output.args[0]))
+        else:
+            stage_graph.output(tuple(env[node] for node in crossing))
+        stage_graph._codegen = torch.fx.graph._PyTreeCodeGen(torch.fx.graph._PyTreeInfo(
+            [node.name for node in (inputs if stage == 0 else received)],
+            exported.module_call_graph[0].signature.in_spec if stage == 0 else pytree.tree_structure(tuple(range(len(received)))),
+            exported.module_call_graph[0].signature.out_spec if stage == num_stages - 1 else None,
+        ))
+        root = {**_model_attributes(model, stage_graph), **attributes}
+        module = CapturedStage(root, stage_graph, class_name=f"CapturedStage{stage}")
+        _keep_buffers_non_persistent(model, module)
+        module.stage_index = stage
+        module.num_stages = num_stages
+        module.layer_names = tuple(node.target for node in stage_graph.nodes if node.op == "call_module")
+        module.boundary_names = tuple(node.name for node in crossing)
+        stages.append(module)
+        received = crossing
+    return stages
+
+
+def _local(graph: torch.fx.Graph, env: dict, arg: torch.fx.Node) -> torch.fx.Node:
+    if arg.op == "get_attr":
+        key = ("attr", arg.target)
+        if key not in env:
+            env[key] = graph.get_attr(arg.target)
+        return env[key]
+    return env[arg]
+
+
+def _capture_device(exported) -> torch.device:
+    for spec in exported.graph_signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            node = next(node for node in exported.graph.nodes if node.name == spec.arg.name)
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                return value.device
+    return torch.device("cpu")
+
+
+def _moved(arguments, capture_device: torch.device, device):
+    """Glue that creates tensors on the capture device (an arange, a mask) creates them on ``device`` instead."""
+    target = torch.device(device)
+    return pytree.tree_map(lambda value: target if isinstance(value, torch.device) and value == capture_device else value,
+                           arguments)
+
+
+def _model_attributes(model: nn.Module, graph: torch.fx.Graph) -> dict[str, Any]:
+    found = {}
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module") and not node.target.startswith("_pipecomm_"):
+            try:
+                found[node.target] = model.get_submodule(node.target) if node.op == "call_module" else _attribute(model, node.target)
+            except AttributeError:
+                pass  # a lifted constant of the capture, supplied from the graph's attributes
+    return found
+
+
+def _attribute(model: nn.Module, target: str):
+    owner_name, _, field = target.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if not hasattr(owner, field):
+        raise AttributeError(target)
+    return getattr(owner, field)
+
+
+def _keep_buffers_non_persistent(model: nn.Module, stage: nn.Module) -> None:
+    """GraphModule registers every tensor it copies as a persistent buffer; restore the original's choice."""
+    for name, _ in list(stage.named_buffers()):
+        owner_name, _, field = name.rpartition(".")
+        try:
+            original = model.get_submodule(owner_name)
+        except AttributeError:
+            original = None
+        if original is None or field in original._non_persistent_buffers_set or field not in original._buffers:
+            stage.get_submodule(owner_name)._non_persistent_buffers_set.add(field)
+
+
+def _name_shared_parameters(stages: list[CapturedStage]) -> None:
+    holders: dict[int, set[int]] = collections.defaultdict(set)
+    for stage in stages:
+        for param in stage.parameters():
+            holders[id(param)].add(stage.stage_index)
+    for stage in stages:
+        stage.shared_parameters = {
+            name: tuple(sorted(holders[id(param)]))
+            for name, param in stage.named_parameters(remove_duplicate=False)
+            if len(holders[id(param)]) > 1
+        }

@@ -1,0 +1,196 @@
+"""split() of models with their own forward: captured, cut by annotations at any depth, exact, and loud when it cannot be."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from models import VOCAB, LongSkip, ResidualCNN, gpt2, llama
+
+import pipecomm
+from pipecomm.capture import CapturedStage
+
+
+
+def raises(message: str):
+    return pytest.raises(ValueError, match=re.escape(message))
+
+
+def chain(stages, *inputs, **kwargs):
+    """The stages one after the other, as the pipeline runs them (a tuple is the next stage's positional arguments)."""
+    output = stages[0](*inputs, **kwargs)
+    for stage in stages[1:]:
+        output = stage(*output) if isinstance(output, tuple) else stage(output)
+    return output
+
+
+def tokens(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same_grads(model, reference):
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_hugging_face_models_split_on_their_own_submodules_are_exact(build, num_stages):
+    model = build(num_stages)
+    reference = copy.deepcopy(model)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    stages = pipecomm.split(model, num_stages, list(range(num_stages)), example_inputs=(tokens(2, 8),),
+                            example_kwargs={"attention_mask": mask})
+    assert all(isinstance(stage, CapturedStage) for stage in stages)
+    # Another batch and sequence length than the example, with padding: the capture is shape-generic.
+    inputs, mask = tokens(3, 11, seed=1), torch.ones(3, 11, dtype=torch.long)
+    mask[0, :4] = 0
+    output = chain(stages, inputs, attention_mask=mask)
+    expected = reference(inputs, attention_mask=mask)
+    assert type(output) is type(expected)
+    torch.testing.assert_close(output.logits, expected.logits, rtol=1e-5, atol=1e-6)
+    output.logits.square().mean().backward()
+    expected.logits.square().mean().backward()
+    assert_same_grads(model, reference)
+    # Each stage calls the user's own blocks; the tied embedding/head is reported as shared.
+    blocks = model.transformer.h if build is gpt2 else model.model.layers
+    called = [stage.get_submodule(name) for stage in stages for name in stage.layer_names]
+    assert all(any(block is unit for unit in called) for block in blocks)
+    if build is gpt2:
+        assert stages[0].shared_parameters == {"transformer.wte.weight": (0, num_stages - 1)}
+        assert stages[-1].shared_parameters == {"lm_head.weight": (0, num_stages - 1)}
+
+
+def test_checkpoints_of_captured_stages_load_strictly_into_a_fresh_model():
+    model = gpt2(2)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(tokens(2, 8),))
+    merged = pipecomm.merge_checkpoints([stage.state_dict() for stage in stages])
+    fresh = gpt2(2)
+    for param in fresh.parameters():
+        nn.init.zeros_(param)
+    fresh.load_state_dict(merged, strict=True)
+    inputs = tokens(2, 8, seed=3)
+    torch.testing.assert_close(fresh(inputs).logits, model(inputs).logits)
+
+
+def test_functional_ops_between_children_are_kept_where_the_data_flow_puts_them():
+    model = ResidualCNN()
+    model.stem.pipeline_stage = model.conv1.pipeline_stage = 0
+    model.conv2.pipeline_stage = model.head.pipeline_stage = 1
+    reference = copy.deepcopy(model)
+    images = torch.randn(2, 3, 8, 8)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(images,))
+    # The residual (stem's relu output) crosses the cut next to conv1's output.
+    assert len(stages[0].boundary_names) == 2
+    images = torch.randn(5, 3, 8, 8)
+    output = chain(stages, images)
+    torch.testing.assert_close(output, reference(images), rtol=1e-5, atol=1e-6)
+    output.sum().backward()
+    reference(images).sum().backward()
+    assert_same_grads(model, reference)
+
+
+def test_a_skip_over_three_stages_crosses_every_boundary_in_between():
+    model = LongSkip()
+    reference = copy.deepcopy(model)
+    stages = pipecomm.split(model, 4, [0, 1, 2, 3], example_inputs=(torch.randn(2, 8),))
+    # Stage 0's output is both the skip and the next block's input: sent once, then carried by stages 1 and 2.
+    skip, = stages[0].boundary_names
+    assert all(skip in stage.boundary_names and len(stage.boundary_names) == 2 for stage in stages[1:3])
+    x = torch.randn(3, 8)
+    output = chain(stages, x)
+    torch.testing.assert_close(output, reference(x))
+    output.sum().backward()
+    reference(x).sum().backward()
+    assert_same_grads(model, reference)
+
+
+def test_annotations_at_any_depth_and_inherited_from_the_nearest_ancestor():
+    model = gpt2(2)
+    for module in [model.transformer.wte, model.transformer.wpe, *model.transformer.h, model.transformer.ln_f]:
+        del module.pipeline_stage
+    model.transformer.pipeline_stage = 0  # everything inside, but for what is annotated otherwise
+    model.transformer.h[2].pipeline_stage = 1
+    model.transformer.h[3].pipeline_stage = 1
+    model.transformer.ln_f.pipeline_stage = 1
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(tokens(2, 8),))
+    assert "transformer.h.1" in stages[0].layer_names and "transformer.h.2" in stages[1].layer_names
+    inputs = tokens(2, 8, seed=2)
+    torch.testing.assert_close(chain(stages, inputs).logits, model(inputs).logits)
+
+
+def test_module_hooks_run_on_the_users_own_modules():
+    model = gpt2(2)
+    calls = []
+    model.transformer.h[3].register_forward_hook(lambda module, args, output: calls.append(module))
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(tokens(2, 8),))
+    calls.clear()
+    chain(stages, tokens(2, 8))
+    assert calls == [model.transformer.h[3]]
+
+
+def test_a_model_with_its_own_forward_needs_example_inputs():
+    with raises("split: ResidualCNN defines its own forward (or carries annotations below its children), which split "
+                "captures to cut exactly; pass example_inputs="):
+        pipecomm.split(ResidualCNN(), 2, 0)
+    with raises("split: balance='uniform' splits an nn.Sequential chain; ResidualCNN defines its own forward"):
+        pipecomm.split(ResidualCNN(), 2, 0, balance="uniform", example_inputs=(torch.randn(2, 3, 8, 8),))
+    with raises("split: ResidualCNN defines its own forward, so split cuts it by pipeline_stage annotations on its "
+                "submodules, and none carries one"):
+        pipecomm.split(ResidualCNN(), 2, 0, example_inputs=(torch.randn(2, 3, 8, 8),))
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+        self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
+
+    def forward(self, x):
+        h = self.first(x)
+        if h.sum() > 0:  # a branch on tensor contents
+            h = -h
+        return self.second(h)
+
+
+def test_data_dependent_control_flow_is_refused_naming_the_construct():
+    with pytest.raises(ValueError) as error:
+        pipecomm.split(DataDependent(), 2, 0, example_inputs=(torch.randn(2, 4),))
+    message = str(error.value)
+    assert "control flow or a Python value that depends on tensor contents" in message, message
+    assert "test_capture.py" in message and "annotate at a coarser level" in message, message
+
+
+@pytest.mark.parametrize(
+    ("break_it", "message"),
+    [
+        (lambda m: (setattr(m.conv1, "pipeline_stage", 1), setattr(m.conv2, "pipeline_stage", 0)),
+         "split: 'conv2' (pipeline_stage 0) uses a value that the operation relu_default_1 (File "),
+        (lambda m: setattr(m.head, "pipeline_stage", 2), "split: 'head' has pipeline_stage=2; it must be an int in [0, 2)"),
+        (lambda m: [setattr(x, "pipeline_stage", 0) for x in (m.conv2, m.head)],
+         "split: stage 1 gets nothing to compute; annotate modules onto every stage in [0, 2)"),
+    ],
+    ids=["decreasing", "out-of-range", "empty-stage"],
+)
+def test_annotation_errors_name_the_module(break_it, message):
+    model = ResidualCNN()
+    model.stem.pipeline_stage = model.conv1.pipeline_stage = 0
+    model.conv2.pipeline_stage = model.head.pipeline_stage = 1
+    break_it(model)
+    with raises(message):
+        pipecomm.split(model, 2, 0, example_inputs=(torch.randn(2, 3, 8, 8),))
+
+
+def test_inputs_the_capture_does_not_hold_for_are_refused():
+    model = gpt2(2)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(tokens(2, 8),))
+    with raises("split: the model was captured with arguments ['input_ids'] but is called with"):
+        stages[0](tokens(2, 8), attention_mask=torch.ones(2, 8, dtype=torch.long))
+    stages = pipecomm.split(LongSkip(), 4, [0], example_inputs=(torch.randn(2, 8),))
+    with raises("split: these inputs do not fit the captured forward"):
+        stages[0](torch.randn(2, 9))  # the Linear layers fixed the feature dimension at 8
