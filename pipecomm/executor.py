@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from pipecomm import boundary
 from pipecomm._ops import accumulate_
 from pipecomm.cuda_graphs import GraphedStage, in_flight_slots
 from pipecomm.device_timing import DeviceTimeline
@@ -25,10 +27,7 @@ _NATIVE_PAIRS = {
     (torch.bfloat16, torch.bfloat16),
     (torch.float16, torch.float16),
 }
-
-
-def _as_tuple(value) -> tuple:
-    return value if isinstance(value, tuple) else (value,)
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _run_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor],
@@ -36,9 +35,10 @@ def _run_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor 
     """Gradients of ``outputs`` w.r.t. ``inputs`` without accumulating into ``.grad``.
 
     Goes to the autograd engine directly, as Megatron does, because the outputs' storage was freed
-    after they were sent and torch.autograd.grad would reject their placeholder shapes.
+    after they were sent and torch.autograd.grad would reject their placeholder shapes. An output
+    without a gradient (the next stage did not use it) contributes nothing.
     """
-    pairs = [(out, grad) for out, grad in zip(outputs, grads) if isinstance(out, torch.Tensor) and out.requires_grad]
+    pairs = [(out, grad) for out, grad in zip(outputs, grads) if out.requires_grad and grad is not None]
     if not pairs or not inputs:
         return (None,) * len(inputs)
     tensors, grad_tensors = zip(*pairs)
@@ -51,24 +51,68 @@ def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.clone() if tensor is not None else None
 
 
-def _free_storage(outputs: tuple) -> None:
+class _SavedStorages:
+    """The storages of the tensors autograd saves for backward during a forward."""
+
+    def __init__(self):
+        self.pointers: set[int] = set()
+        self.complete = True  # False once a saved tensor had no storage to note (a wrapper subclass)
+
+    def observe(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        pointer = _storage_pointer(tensor)
+        if pointer is None:
+            self.complete = False
+        else:
+            self.pointers.add(pointer)
+        return tensor.detach()  # what autograd keeps must not hold the tensor itself: a saved output would be a cycle
+
+    def unreferenced(self, tensor: torch.Tensor) -> bool:
+        pointer = _storage_pointer(tensor)
+        return self.complete and pointer is not None and pointer not in self.pointers
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _storage_pointer(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _free_storage(outputs: Sequence[torch.Tensor], saved: _SavedStorages | None) -> None:
     """Drops the data of sent outputs while their autograd nodes live on (Megatron's deallocate_output_tensor).
 
-    Safe: an op that saved its own output for backward saved a shallow copy holding the old storage.
+    ``.data`` swaps the storage of the tensor object itself, which an op that saved that very tensor
+    for backward (a multiply, for its other operand's gradient) would then read. So only outputs
+    whose storage no saved tensor shares are freed; only outputs autograd computed (a leaf may be a
+    parameter or a received input, passed through); and no views (their base keeps the memory).
+    Outputs of a forward whose saved tensors were not observed (``saved`` None) are all kept.
     """
+    if saved is None:
+        return
     for tensor in outputs:
-        if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None and tensor._base is None:
+        if tensor.grad_fn is not None and tensor._base is None and saved.unreferenced(tensor):
             tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)
 
 
 class GradientSink:
-    """Where a stage's parameter gradients go: ``.grad`` (default) or flat fp32 ``main_grad`` buffers."""
+    """Where a stage's parameter gradients go: ``.grad`` (default) or fp32 ``main_grad`` buffers.
+
+    With ``main_grad``, the bf16/fp16 parameters that require grad share one flat fp32 buffer; one
+    unfrozen later gets a buffer of its own with its first gradient. Frozen parameters get no gradient.
+    """
 
     def __init__(self, params: list[nn.Parameter], main_grad: bool):
         self.params = params
         self.main_grad = main_grad
         if main_grad:
-            low_precision = [p for p in params if p.dtype in (torch.bfloat16, torch.float16)]
+            low_precision = [p for p in params if p.dtype in _LOW_PRECISION and p.requires_grad]
             total = sum(p.numel() for p in low_precision)
             device = low_precision[0].device if low_precision else None
             self.flat_main_grad = torch.zeros(total, dtype=torch.float32, device=device) if low_precision else None
@@ -78,8 +122,8 @@ class GradientSink:
                 offset += param.numel()
 
     def target(self, param: nn.Parameter) -> torch.Tensor | None:
-        if self.main_grad and hasattr(param, "main_grad"):
-            return param.main_grad
+        if self.main_grad and param.dtype in _LOW_PRECISION:
+            return getattr(param, "main_grad", None)
         return param.grad
 
     def add(self, grads: Sequence[torch.Tensor | None], params: Sequence[nn.Parameter] | None = None) -> None:
@@ -90,14 +134,20 @@ class GradientSink:
                 continue
             target = self.target(param)
             if target is None:
-                # A copy: autograd may hand back one tensor for several parameters, or an expanded view.
-                param.grad = grad.clone(memory_format=torch.contiguous_format)
+                self._start(param, grad)
             elif (target.dtype, grad.dtype) in _NATIVE_PAIRS:
                 accumulators.append(target)
                 sources.append(grad)
             else:
                 target.add_(grad)
         accumulate_(accumulators, sources)
+
+    def _start(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        # A copy: autograd may hand back one tensor for several parameters, or an expanded view.
+        if self.main_grad and param.dtype in _LOW_PRECISION:
+            param.main_grad = grad.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        else:
+            param.grad = grad.clone(memory_format=torch.contiguous_format)
 
     @torch.no_grad()  # the saved inputs carry autograd history, which .grad must not record
     def add_weight_grads(self, deferred: Sequence[DeferredGrad]) -> None:
@@ -123,7 +173,7 @@ class StageExecutor:
         rank: int,
         modules: dict[int, nn.Module],
         sinks: dict[int, GradientSink],
-        channels: dict[tuple[int, str], Channel],
+        channels: dict[tuple[int, str], boundary.StructureChannel | Channel],
         loss_fn: Callable,
         on_stage_backward_done: Callable[[int], None] | None = None,
         weight_grad_store: WeightGradStore | None = None,
@@ -148,12 +198,15 @@ class StageExecutor:
         } if cuda_graphs else {}
         self.timeline: list[tuple[float, float, Action]] = []
 
-    def run(self, inputs: list[tuple] | None, targets: list[tuple] | None) -> torch.Tensor | None:
-        """One training step over all micro-batches; returns the summed (already 1/m-scaled) losses on the last stage."""
+    def run(self, inputs: list[tuple[tuple, dict]] | None, targets: list[tuple] | None) -> torch.Tensor | None:
+        """One training step over all micro-batches (``inputs``: each one's positional and keyword arguments of the
+        first stage); returns the summed (already 1/m-scaled) losses on the last stage."""
         self._inputs, self._targets = inputs, targets
-        self._received: dict[tuple[int, int], tuple] = {}
-        self._stage_inputs: dict[tuple[int, int], tuple] = {}
-        self._outputs: dict[tuple[int, int], tuple] = {}
+        self._received: dict[tuple[int, int], boundary.Received] = {}
+        # The tensors of a received message that gradients answer (none on the first stage, whose inputs are data).
+        self._stage_inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._outputs: dict[tuple[int, int], boundary.Flat] = {}
+        self._saved: dict[tuple[int, int], _SavedStorages] = {}
         self._grads_out: dict[tuple[int, int], tuple | None] = {}
         self._grads_in: dict[tuple[int, int], tuple] = {}
         self._deferred: dict[tuple[int, int], list[DeferredGrad]] = {}
@@ -191,35 +244,39 @@ class StageExecutor:
     def _forward(self, stage: int, micro_batch: int) -> None:
         key = (stage, micro_batch)
         last = stage == self.last_stage
-        args = self._inputs[micro_batch] if stage == 0 else self._received.pop(key)
+        if stage == 0:
+            args, kwargs = self._inputs[micro_batch]
+            self._stage_inputs[key] = []
+        else:
+            received = self._received.pop(key)
+            args, kwargs = boundary.as_arguments(received.structure), {}
+            self._stage_inputs[key] = received.tensors
+        targets = self._targets[micro_batch] if last else ()
         graphed = self.graphed.get(stage)
         if graphed:
-            self._stage_inputs[key] = args
-            outputs = graphed.forward(micro_batch, args, self._targets[micro_batch] if last else ())
+            outputs = graphed.forward(micro_batch, args, targets, kwargs)
             if last:
-                self._add_loss(outputs[0].clone())  # the graph's loss buffer is rewritten by the next replay
-            self._outputs[key] = outputs
+                self._add_loss(outputs[0].detach().clone())  # the graph's loss buffer is rewritten by the next replay
+            self._outputs[key] = boundary.Flat(list(outputs), graphed.output_layout)
             return
-        if stage > 0:
-            # Received activations become leaves whose grads are sent back to the previous stage.
-            args = tuple(t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                         for t in args)
-        self._stage_inputs[key] = args
         store = self.weight_grad_store
         if store:
             store.recording = self._deferred_weights[key] = set()
+        saved = None if last else _SavedStorages()
         try:
-            output = self.modules[stage](*args)
+            with saved.observe() if saved else contextlib.nullcontext():
+                output = self.modules[stage](*args, **kwargs)
         finally:
             if store:
                 store.recording = None
         if last:
-            loss = self._scaled_loss(output, *self._targets[micro_batch])
-            self._outputs[key] = (loss,)
+            loss = self._scaled_loss(output, *targets)
+            self._outputs[key] = boundary.flatten(loss)
             self._grads_out[key] = (torch.ones_like(loss),)
             self._add_loss(loss.detach())
         else:
-            self._outputs[key] = _as_tuple(output)
+            self._outputs[key] = boundary.flatten(output)
+            self._saved[key] = saved
 
     def _add_loss(self, loss: torch.Tensor) -> None:
         self._loss = loss if self._loss is None else self._loss + loss
@@ -246,7 +303,7 @@ class StageExecutor:
         key = (stage, micro_batch)
         deferred_weights = self._deferred_weights.pop(key)
         # Not asking for the deferred weights is what makes autograd skip their GEMMs.
-        params = [p for p in self.sinks[stage].params if id(p) not in deferred_weights]
+        params = [p for p in self.sinks[stage].params if p.requires_grad and id(p) not in deferred_weights]
         deferred: list[DeferredGrad] = []
         self.weight_grad_store.collecting = deferred
         try:
@@ -260,12 +317,13 @@ class StageExecutor:
         self._count_backward(stage)
 
     def _run_stage_backward(self, stage: int, micro_batch: int, params: list[nn.Parameter] | None = None) -> None:
-        """Backward of a micro-batch towards the stage's inputs and ``params`` (default: all its parameters)."""
+        """Backward of a micro-batch towards the stage's inputs and ``params`` (default: its parameters that require grad)."""
         key = (stage, micro_batch)
-        outputs, grads = self._outputs.pop(key), self._grads_out.pop(key)
+        outputs, grads = self._outputs.pop(key).tensors, self._grads_out.pop(key)
         inputs = self._stage_inputs.pop(key)
-        wanted = self._grad_inputs(inputs)
-        params = self.sinks[stage].params if params is None else params
+        wanted = [tensor for tensor in inputs if tensor.requires_grad]
+        if params is None:
+            params = [p for p in self.sinks[stage].params if p.requires_grad]
         results = _run_backward(outputs, grads, wanted + params, keep_graph=False)
         self._store_input_grads(key, inputs, results[: len(wanted)])
         self.sinks[stage].add(results[len(wanted) :], params)
@@ -276,25 +334,20 @@ class StageExecutor:
         if self._backwards_done[stage] == self.schedule.micro_batches and self.on_stage_backward_done:
             self.on_stage_backward_done(stage)
 
-    @staticmethod
-    def _grad_inputs(inputs: tuple) -> list[torch.Tensor]:
-        return [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-
-    def _store_input_grads(self, key, inputs: tuple, grads: Sequence) -> None:
+    def _store_input_grads(self, key, inputs: list[torch.Tensor], grads: Sequence) -> None:
+        """One entry per tensor of the received message: its gradient, or None where it required none."""
         if key[0] == 0:
             return  # the first stage's inputs are data
         remaining = iter(grads)
-        self._grads_in[key] = tuple(
-            next(remaining) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs
-        )
+        self._grads_in[key] = tuple(next(remaining) if tensor.requires_grad else None for tensor in inputs)
 
     # -- communication ------------------------------------------------------------------------
 
     def _send_forward(self, stage: int, micro_batch: int) -> None:
-        outputs = self._outputs[(stage, micro_batch)]
-        message = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in outputs)
-        self._transfer("send", "act", stage + 1, stage, micro_batch, message)
-        _free_storage(outputs)
+        key = (stage, micro_batch)
+        outputs = self._outputs[key]
+        self._transfer("send", "act", stage + 1, stage, micro_batch, outputs, self.schedule.micro_batches)
+        _free_storage(outputs.tensors, self._saved.pop(key, None))
 
     def _recv_forward(self, stage: int, micro_batch: int) -> None:
         self._received[(stage, micro_batch)] = self._transfer("recv", "act", stage - 1, stage, micro_batch)
@@ -306,12 +359,13 @@ class StageExecutor:
     def _recv_backward(self, stage: int, micro_batch: int) -> None:
         self._grads_out[(stage, micro_batch)] = self._transfer("recv", "grad", stage + 1, stage, micro_batch)
 
-    def _transfer(self, direction: str, kind: str, peer_stage: int, stage: int, micro_batch: int, message=None):
+    def _transfer(self, direction: str, kind: str, peer_stage: int, stage: int, micro_batch: int, *message):
+        """A send (of ``message``) or receive on the activation (StructureChannel) or gradient channel to a peer stage."""
         channel = self.channels[(self.schedule.stage_rank(peer_stage), kind)]
         what = "activation" if kind == "act" else "gradient"
         try:
             if direction == "send":
-                channel.send(message)
+                channel.send(*message)
                 return None
             return channel.recv()
         except (ChannelError, TimeoutError) as error:

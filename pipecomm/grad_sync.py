@@ -48,7 +48,10 @@ class SharedParameters:
             dist.broadcast(param.data, src=holders[0], group=group)
 
     def reduce_grads(self, sink_for: Callable[[nn.Parameter], GradientSink], timeout: float) -> None:
+        """Sums the gradients of the shared parameters that require grad (every holder freezes them alike)."""
         for param, holders, group in self.entries:
+            if not param.requires_grad:
+                continue
             grad = _grad_or_zeros(sink_for(param), param)
             work = dist.all_reduce(grad, group=group, async_op=True)
             wait_collective(work, group, timeout, f"the all-reduce of a shared parameter's gradient among ranks {holders}")
@@ -92,14 +95,15 @@ class DataParallelGrads:
             torch._foreach_mul_(grads, 1.0 / self.size)
 
     def _reduce(self, stage: int, param: nn.Parameter) -> None:
+        if not param.requires_grad:
+            return  # frozen: no gradient, on every replica alike
         grad = _grad_or_zeros(self.sinks[stage], param)
         self._in_flight.append((dist.all_reduce(grad, group=self.group, async_op=True), grad, stage))
 
 
 def _grad_or_zeros(sink: GradientSink, param: nn.Parameter) -> torch.Tensor:
-    """The accumulated gradient; zeros where this rank got none, so every member joins the reduction."""
-    grad = sink.target(param)
-    if grad is None:
-        param.grad = torch.zeros_like(param)
-        grad = param.grad
-    return grad
+    """The accumulated gradient of a parameter that requires grad; zeros where this rank got none, so every
+    member joins the reduction."""
+    if sink.target(param) is None:
+        sink.add([torch.zeros_like(param)], [param])
+    return sink.target(param)

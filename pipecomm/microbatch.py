@@ -1,41 +1,65 @@
-"""Splitting a batch into micro-batches along dim 0, and joining outputs back, with clear errors."""
+"""Splitting a batch (any pytree) into micro-batches along dim 0, and joining outputs back, with clear errors."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+
+from pipecomm import boundary
 
 __all__ = ["join", "split"]
 
 
-def split(values: Sequence, micro_batches: int, what: str, device: torch.device | None = None) -> list[tuple]:
-    """Splits every tensor in ``values`` into ``micro_batches`` equal chunks along dim 0.
+def split(batch: Any, micro_batches: int, what: str, device: torch.device | None = None, *,
+          uneven: bool = False) -> list:
+    """Splits every tensor leaf of ``batch`` into ``micro_batches`` chunks along dim 0: one ``batch``-shaped structure each.
 
-    Non-tensor values (and None) are passed unchanged to every micro-batch. The batch size must be
-    divisible by ``micro_batches``: an uneven split would weight micro-batches differently in the
-    mean loss, so it is a ValueError rather than a silent difference from single-process training.
+    Non-tensor leaves (and None) are passed unchanged to every micro-batch. For training the batch
+    size must be divisible by ``micro_batches``: an uneven split would weight micro-batches
+    differently in the mean loss, so it is a ValueError rather than a silent difference from
+    single-process training. With ``uneven=True`` (inference) any batch works: it makes
+    min(batch size, ``micro_batches``) chunks whose sizes differ by at most one.
     """
-    chunks_per_value = []
-    for index, value in enumerate(values):
-        if not isinstance(value, torch.Tensor):
-            chunks_per_value.append([value] * micro_batches)
-            continue
-        if value.dim() == 0:
-            raise ValueError(f"{what}[{index}] is a 0-d tensor; micro-batches are split along dim 0")
-        batch = value.shape[0]
-        if batch % micro_batches:
-            raise ValueError(
-                f"{what}[{index}] has batch size {batch}, which is not divisible by micro_batches={micro_batches}"
-            )
-        if device is not None:
-            value = value.to(device, non_blocking=True)
-        chunks_per_value.append(list(value.chunk(micro_batches, dim=0)))
-    return [tuple(chunks[index] for chunks in chunks_per_value) for index in range(micro_batches)]
+    flat = boundary.flatten(batch)
+    for tensor in flat.tensors:
+        if tensor.dim() == 0:
+            raise ValueError(f"{_name(batch, tensor, what)} is a 0-d tensor; micro-batches are split along dim 0")
+        if not uneven and tensor.shape[0] % micro_batches:
+            raise ValueError(f"{_name(batch, tensor, what)} has batch size {tensor.shape[0]}, which is not "
+                             f"divisible by micro_batches={micro_batches}")
+    if uneven and flat.tensors:
+        micro_batches = min(micro_batches, *(tensor.shape[0] for tensor in flat.tensors))
+        if micro_batches == 0:
+            raise ValueError(f"{what}: the batch is empty")
+    if device is not None:
+        flat = flat._replace(tensors=[tensor.to(device, non_blocking=True) for tensor in flat.tensors])
+    chunks = [tensor.tensor_split(micro_batches, dim=0) for tensor in flat.tensors]
+    return [boundary.unflatten([parts[index] for parts in chunks], flat.layout) for index in range(micro_batches)]
 
 
-def join(outputs: Sequence[tuple]) -> tuple:
-    """Concatenates per-micro-batch output tuples along dim 0 (None entries stay None)."""
-    return tuple(
-        None if parts[0] is None else torch.cat(parts, dim=0) for parts in zip(*outputs)
-    )
+def join(outputs: Sequence[Any]) -> Any:
+    """The micro-batches' output structures as one: tensor leaves concatenated along dim 0, 0-d ones stacked.
+
+    Non-tensor leaves must be equal across micro-batches, and so must the structures.
+    """
+    flats = [boundary.flatten(output) for output in outputs]
+    layout = flats[0].layout
+    for micro_batch, flat in enumerate(flats[1:], start=1):
+        mismatch = boundary.layout_mismatch(flat.layout, layout)
+        if mismatch:
+            raise ValueError(f"the output of micro-batch {micro_batch} does not match micro-batch 0's, so the "
+                             f"micro-batches cannot be joined: {mismatch}")
+    tensors = [
+        torch.cat(parts, dim=0) if parts[0].dim() else torch.stack(parts)
+        for parts in zip(*(flat.tensors for flat in flats))
+    ]
+    return boundary.unflatten(tensors, layout)
+
+
+def _name(batch: Any, tensor: torch.Tensor, what: str) -> str:
+    """``what`` and the key path of a tensor leaf of ``batch``, e.g. inputs[0] or kwargs['attention_mask']."""
+    path = next(path for path, leaf in pytree.tree_flatten_with_path(batch)[0] if leaf is tensor)
+    return what + pytree.keystr(path)

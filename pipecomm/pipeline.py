@@ -6,14 +6,13 @@ import collections
 import contextlib
 import json
 import math
-import pickle
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipecomm import microbatch, transport
+from pipecomm import boundary, microbatch, transport
 from pipecomm.device_timing import DeviceTimeline
 from pipecomm.executor import GradientSink, StageExecutor
 from pipecomm.failure import StepFailures, describe, wait_collective
@@ -30,8 +29,15 @@ class Pipeline:
 
     Replace ``loss = loss_fn(model(x), y); loss.backward()`` with ``loss = pipe.step(x, target=y)``:
     afterwards every parameter's ``.grad`` holds what that single-process backward on the whole
-    batch gives, so any optimizer works unchanged. Every rank may call ``step`` with the same
-    arguments; the first stage reads ``inputs``, the last ``target``, the others may pass None.
+    batch gives, so any optimizer works unchanged; frozen parameters (``requires_grad=False``, read
+    at every step) keep no gradient. Every rank may call ``step`` with the same arguments; the first
+    stage reads the inputs, the last ``target``, the others may pass None.
+
+    A stage may return any pytree (tensors, tuples, lists, dicts, None, dataclasses, transformers
+    ModelOutputs, with non-tensor leaves such as ints); the next stage receives that structure, a
+    tuple unpacked into positional arguments and anything else as its one argument, and the last
+    stage's ``loss_fn(output, *targets)`` the model's output. Only tensors that require grad on the
+    sending stage require grad on the receiving one and get a gradient sent back.
 
     ``module``/``stage`` are one module and its stage index, or lists of them for interleaved
     schedules (rank r holds stages r, r + p, r + 2p, ...). ``group`` is the pipeline's process
@@ -113,18 +119,22 @@ class Pipeline:
         for stage in self.stages:
             yield from self.modules[stage].parameters()
 
-    def step(self, *inputs, target=None) -> torch.Tensor:
+    def step(self, *inputs, target=None, **kwargs) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean micro-batch loss on every rank.
 
+        ``inputs`` and ``kwargs`` (e.g. ``attention_mask=``) are the first stage's positional and keyword
+        arguments, ``target`` (a tuple: several) the arguments of ``loss_fn`` after the output; any of
+        them may be pytrees, whose tensors are split along dim 0 into the micro-batches.
         If it fails on one rank, that rank closes its channels, so that its peers fail at once instead of
         waiting out their timeouts, and their errors name it and its error. The Pipeline is then closed.
         """
         self._check_usable("step")
         split_inputs = split_targets = None
         if 0 in self.stages:
-            if not inputs:
+            if not inputs and not kwargs:
                 raise ValueError("step: the first stage needs the batch inputs")
-            split_inputs = microbatch.split(inputs, self.micro_batches, "inputs", self.device)
+            split_inputs = list(zip(microbatch.split(inputs, self.micro_batches, "inputs", self.device),
+                                    microbatch.split(kwargs, self.micro_batches, "kwargs", self.device)))
         if self.num_stages - 1 in self.stages:
             if target is None:
                 raise ValueError("step: the last stage needs target=")
@@ -144,36 +154,45 @@ class Pipeline:
             return result.to(self.device)
 
     @torch.no_grad()
-    def forward(self, *inputs, broadcast_result: bool = False):
-        """Inference, micro-batched, without autograd: the full-batch output on the last stage.
+    def forward(self, *inputs, broadcast_result: bool = False, **kwargs):
+        """Inference, micro-batched, without autograd: the full-batch output on the last stage (None elsewhere).
 
-        With ``broadcast_result=True`` every rank of the pipeline gets it (autoregressive decoding). A
-        failure closes the Pipeline as in ``step``.
+        Any batch size works: it is split into min(batch size, micro_batches) micro-batches, unevenly if
+        need be; only the first stage's rank needs the inputs. The result has the structure the model
+        returns, each tensor leaf concatenated over the micro-batches along dim 0 (0-d tensors stacked);
+        non-tensor leaves must be equal across micro-batches. With ``broadcast_result=True`` every rank
+        of the pipeline gets it (autoregressive decoding). A failure closes the Pipeline as in ``step``.
         """
         self._check_usable("forward")
-        split_inputs = microbatch.split(inputs, self.micro_batches, "inputs", self.device) if 0 in self.stages else None
+        split_inputs = None
+        if 0 in self.stages:
+            split_inputs = microbatch.split((inputs, kwargs), self.micro_batches, "inputs", self.device, uneven=True)
         with self._failing_fast():
             return self._forward(split_inputs, broadcast_result)
 
-    def _forward(self, split_inputs, broadcast_result: bool):
+    def _forward(self, split_inputs: list | None, broadcast_result: bool):
         outputs = []
-        for micro_batch in range(self.micro_batches):
+        # Ranks without the first stage learn the number of micro-batches from the first message.
+        micro_batches = len(split_inputs) if split_inputs is not None else None
+        micro_batch = 0
+        while micro_batches is None or micro_batch < micro_batches:
             for stage in self.stages:
                 if stage == 0:
-                    args = split_inputs[micro_batch]
+                    args, kwargs = split_inputs[micro_batch]
                 else:
-                    args = self._channels[(self.schedule.stage_rank(stage - 1), "act")].recv()
-                output = self.modules[stage](*args)
+                    received = self._channels[(self.schedule.stage_rank(stage - 1), "act")].recv()
+                    micro_batches = received.micro_batches
+                    args, kwargs = boundary.as_arguments(received.structure), {}
+                output = self.modules[stage](*args, **kwargs)
                 if stage == self.num_stages - 1:
-                    outputs.append(output if isinstance(output, tuple) else (output,))
+                    outputs.append(output)
                 else:
-                    as_tuple = output if isinstance(output, tuple) else (output,)
-                    self._channels[(self.schedule.stage_rank(stage + 1), "act")].send(as_tuple)
+                    channel = self._channels[(self.schedule.stage_rank(stage + 1), "act")]
+                    channel.send(boundary.flatten(output), micro_batches)
+            micro_batch += 1
         result = microbatch.join(outputs) if outputs else None
         if broadcast_result and self.num_ranks > 1:
             result = self._broadcast_from_last(result)
-        if result is not None and len(result) == 1:
-            return result[0]
         return result
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -317,11 +336,13 @@ class Pipeline:
         for peer in sorted(peers, key=lambda peer: (min(peer, self.rank), max(peer, self.rank))):
             for kind in ("act", "grad"):
                 if peer == self.rank:
-                    channels[(peer, kind)] = _Loopback()
+                    channel = _Loopback()
                 else:
-                    channels[(peer, kind)] = transport.connect(
+                    channel = transport.connect(
                         self._global_rank(peer), self.group, backend, device=self.device, timeout=timeout
                     )
+                # Activations are structures; gradients, one per tensor of the activation message, stay flat.
+                channels[(peer, kind)] = boundary.StructureChannel(channel, self.device) if kind == "act" else channel
         return channels
 
     def _sink_of(self, param: nn.Parameter) -> GradientSink:
@@ -337,25 +358,25 @@ class Pipeline:
         return torch.device("cpu")
 
     def _broadcast_from_last(self, result):
-        """The last stage's inference output on every rank: its layout as pickled bytes, then each tensor."""
+        """The last stage's inference output on every rank: its layout and tensor shapes as pickled bytes, then
+        each tensor."""
         wire = self._wire_device()
-        layout = None if result is None else [None if t is None else (tuple(t.shape), t.dtype) for t in result]
-        encoded = pickle.dumps(layout) if self.rank == self._last_rank else b""
+        last = self.rank == self._last_rank
+        flat = boundary.flatten(result) if last else None
+        encoded = boundary.serialize(flat.layout, [(tuple(tensor.shape), tensor.dtype) for tensor in flat.tensors],
+                                     "the inference output") if last else b""
         size = torch.tensor([len(encoded)], dtype=torch.int64, device=wire)
         self._broadcast(size, "the size of the inference output's layout")
         data = (torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(wire) if encoded
                 else torch.empty(int(size.item()), dtype=torch.uint8, device=wire))
         self._broadcast(data, "the inference output's layout")
-        layout = pickle.loads(data.cpu().numpy().tobytes())
+        layout, shapes = boundary.deserialize(data.cpu().numpy().tobytes())
         tensors = []
-        for index, entry in enumerate(layout):
-            if entry is None:
-                tensors.append(None)
-                continue
-            buffer = result[index].to(wire) if result is not None else torch.empty(entry[0], dtype=entry[1], device=wire)
+        for index, (shape, dtype) in enumerate(shapes):
+            buffer = flat.tensors[index].to(wire) if last else torch.empty(shape, dtype=dtype, device=wire)
             self._broadcast(buffer, f"tensor {index} of the inference output")
             tensors.append(buffer.to(self.device))
-        return tuple(tensors)
+        return boundary.unflatten(tensors, layout)
 
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
         """From the last stage's rank to every rank of the pipeline, waiting no longer than the timeout."""

@@ -43,7 +43,8 @@ def weight_grad(grad_output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _after_forward(store: WeightGradStore, layer: nn.Linear, args: tuple, output) -> None:
-    if store.recording is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
+    # Whether the weight is frozen is read here, at each forward: users freeze and unfreeze between steps.
+    if store.recording is None or not layer.weight.requires_grad or not output.requires_grad:
         return
     x = args[0]
     if not (x.requires_grad or (layer.bias is not None and layer.bias.requires_grad)):
@@ -75,7 +76,7 @@ def defer_linear_weight_grads(modules: Iterable[nn.Module], store: WeightGradSto
         layer.register_forward_hook(functools.partial(_after_forward, store))
         for module in modules
         for layer in module.modules()
-        if type(layer) is nn.Linear and layer.weight.requires_grad and uses[id(layer.weight)] == 1
+        if type(layer) is nn.Linear and uses[id(layer.weight)] == 1
     ]
 
     def undo() -> None:

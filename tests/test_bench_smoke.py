@@ -59,3 +59,10 @@ def test_host_split_smoke_times_send_and_recv_apart(tmp_path):
 def test_e2e_rejects_bad_micro_batch_counts(counts):
     result = run_bench("e2e.py", "--micro-batches", counts, timeout=60)
     assert result.returncode == 2 and "--micro-batches" in result.stderr, result.stderr[-2000:]
+
+
+def test_capture_overhead_smoke_times_both_stages(tmp_path):
+    result = run_bench("capture_overhead.py", "--json", str(tmp_path / "capture.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "capture.json").read_text())["rows"]
+    assert [row["stage"] for row in rows] == ["captured", "by hand"] and all(row["fwd+bwd ms"] > 0 for row in rows)

@@ -46,7 +46,7 @@ def test_replayed_stage_equals_eager_with_two_micro_batches_in_flight():
     reference = copy.deepcopy(module)
     params = list(module.parameters())
     graphed = GraphedStage(module, params, slots=2, stage=1, loss=None)
-    xs = [torch.randn(4, 16, device="cuda") for _ in range(3)]
+    xs = [torch.randn(4, 16, device="cuda", requires_grad=True) for _ in range(3)]  # received: they need grads
     grads = [torch.randn(4, 16, device="cuda") for _ in range(3)]
 
     outputs = {0: graphed.forward(0, (xs[0],), ())[0].clone(), 1: graphed.forward(1, (xs[1],), ())[0].clone()}

@@ -109,3 +109,33 @@ def test_tied_and_subclassed_linears_are_left_alone():
     assert not attention.out_proj._forward_hooks
     undo()
     assert not own._forward_hooks
+
+
+def test_zb_h1_reads_whether_a_weight_is_frozen_at_each_forward(monkeypatch):
+    """The deferral hooks are registered once; a weight frozen or unfrozen afterwards is deferred accordingly."""
+    deferred_per_w = []
+    original = GradientSink.add_weight_grads
+
+    def recording(self, deferred):
+        deferred_per_w.append({id(param) for param, _, _ in deferred})
+        original(self, deferred)
+
+    monkeypatch.setattr(GradientSink, "add_weight_grads", recording)
+    torch.manual_seed(0)
+    stage = Stage()
+    stage.third.weight.requires_grad_(False)
+    pipe = pipecomm.Pipeline(stage, stage=0, num_stages=1, loss_fn=torch.nn.functional.mse_loss, micro_batches=2,
+                             schedule="zb-h1")
+    stage.second.weight.requires_grad_(False)  # after the hooks were registered
+    stage.third.weight.requires_grad_(True)
+    reference = copy.deepcopy(stage)
+    x, target = torch.randn(4, 3, 8), torch.randn(4, 3, 8)
+    pipe.step(x, target=target)
+    (sum(torch.nn.functional.mse_loss(reference(xs), ts) for xs, ts in zip(x.chunk(2), target.chunk(2))) / 2).backward()
+
+    assert deferred_per_w == [{id(stage.third.weight)}] * 2
+    assert stage.second.weight.grad is None
+    for (name, param), ref_param in zip(stage.named_parameters(), reference.parameters()):
+        if ref_param.grad is not None:
+            torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6, msg=name)
+    pipe.close()

@@ -1,0 +1,194 @@
+"""How a stage's output structure crosses a channel: its tensors as the message, the rest in a header sent only when it changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__: list[str] = []
+
+
+class _Tensor:
+    """Marks where a tensor leaf goes among a structure's leaves (a class, so that it survives pickling as itself)."""
+
+
+class Layout(NamedTuple):
+    """Everything of a structure but its tensors: the pytree spec and every leaf, ``_Tensor`` where a tensor goes."""
+
+    spec: pytree.TreeSpec
+    leaves: tuple
+
+
+class Flat(NamedTuple):
+    tensors: list[torch.Tensor]
+    layout: Layout
+
+
+def flatten(structure: Any) -> Flat:
+    """Takes any pytree apart (tuples, lists, dicts, None, dataclasses, transformers ModelOutputs, ...).
+
+    A dataclass that is no pytree node is registered as one (``register_dataclass``, by its init
+    fields) on first use, so that its tensors cross as tensors; its module must be importable by
+    the receiving rank.
+    """
+    leaves, spec = pytree.tree_flatten(structure, is_leaf=_is_size)
+    unregistered = {type(leaf) for leaf in leaves if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)}
+    if unregistered:
+        for cls in unregistered:
+            pytree.register_dataclass(cls)
+        return flatten(structure)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    marked = tuple(_Tensor if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+    return Flat(tensors, Layout(spec, marked))
+
+
+def _is_size(value: Any) -> bool:
+    # A leaf here: torch registers torch.Size as a pytree node that unflattens into a plain tuple.
+    return isinstance(value, torch.Size)
+
+
+def unflatten(tensors: Sequence[torch.Tensor], layout: Layout) -> Any:
+    remaining = iter(tensors)
+    return pytree.tree_unflatten([next(remaining) if leaf is _Tensor else leaf for leaf in layout.leaves], layout.spec)
+
+
+def as_arguments(structure: Any) -> tuple:
+    """How a structure calls the next stage: a tuple is unpacked into positional arguments, anything else is the one."""
+    return structure if isinstance(structure, tuple) else (structure,)
+
+
+def layout_mismatch(layout: Layout, other: Layout) -> str | None:
+    """What differs between two layouts, or None. Leaves compare with their types (True is not 1 here)."""
+    if layout.spec != other.spec:
+        return f"the structure {layout.spec} differs from {other.spec}"
+    for index, (leaf, other_leaf) in enumerate(zip(layout.leaves, other.leaves)):
+        if not (leaf is other_leaf or (type(leaf) is type(other_leaf) and (leaf == other_leaf) is True)):
+            return f"leaf {index} is {_describe_leaf(leaf)}, not {_describe_leaf(other_leaf)}"
+    return None
+
+
+def serialize(layout: Layout, extra: Any, what: str) -> bytes:
+    """A layout (and ``extra``, plain values) as bytes; a TypeError naming the part that cannot be pickled."""
+    try:
+        return pickle.dumps((_plain_spec(layout.spec), layout.leaves, extra))
+    except Exception as error:
+        raise TypeError(f"{what} cannot cross a stage boundary: {_unpicklable_part(layout)} cannot be pickled "
+                        f"({type(error).__name__}: {error})") from error
+
+
+def deserialize(data: bytes) -> tuple[Layout, Any]:
+    plain_spec, leaves, extra = pickle.loads(data)
+    spec = _spec(plain_spec)
+    _register_dataclasses(spec)
+    return Layout(spec, leaves), extra
+
+
+class _Header(NamedTuple):
+    layout: Layout
+    requires_grad: tuple[bool, ...]
+    micro_batches: int
+
+
+class Received(NamedTuple):
+    structure: Any
+    tensors: list[torch.Tensor]  # the message's tensors, in order: the ones a gradient message answers
+    micro_batches: int  # how many micro-batches the first stage split the batch into
+
+
+class StructureChannel:
+    """Sends a structure as ``(header, *tensors)`` over a channel of flat tensor tuples.
+
+    The header (the layout, each tensor's ``requires_grad`` and the micro-batch count) is pickled
+    into a uint8 tensor only when it differs from the last one sent; otherwise its slot is None, so a
+    steady-state message costs one None entry and no pickling. Received tensors that required grad on
+    the sender become leaves that require grad; only for those does the receiver compute gradients.
+    """
+
+    def __init__(self, channel, device: torch.device):
+        self.channel = channel
+        self.device = device
+        self._sent: _Header | None = None
+        self._received: _Header | None = None
+
+    def send(self, flat: Flat, micro_batches: int) -> None:
+        header = _Header(flat.layout, tuple(tensor.requires_grad for tensor in flat.tensors), micro_batches)
+        encoded = None
+        if not _same_header(header, self._sent):
+            data = serialize(header.layout, (header.requires_grad, micro_batches), "a stage's output")
+            encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+            self._sent = header
+        self.channel.send((encoded, *(tensor.detach() for tensor in flat.tensors)))
+
+    def recv(self) -> Received:
+        encoded, *tensors = self.channel.recv()
+        if encoded is not None:
+            layout, (requires_grad, micro_batches) = deserialize(encoded.cpu().numpy().tobytes())
+            self._received = _Header(layout, requires_grad, micro_batches)
+        header = self._received
+        if header is None:
+            raise RuntimeError("pipecomm: the first message on a stage boundary came without its header")
+        for tensor, requires_grad in zip(tensors, header.requires_grad):
+            if requires_grad:
+                tensor.requires_grad_()
+        return Received(unflatten(tensors, header.layout), tensors, header.micro_batches)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _same_header(header: _Header, last: _Header | None) -> bool:
+    return (last is not None and header.requires_grad == last.requires_grad
+            and header.micro_batches == last.micro_batches and layout_mismatch(header.layout, last.layout) is None)
+
+
+def _describe_leaf(leaf: Any) -> str:
+    return "a tensor" if leaf is _Tensor else f"{leaf!r} ({type(leaf).__qualname__})"
+
+
+# TreeSpecs travel as nested (type, context, children) tuples: unpickling a TreeSpec itself warns.
+def _plain_spec(spec: pytree.TreeSpec):
+    return None if spec.is_leaf() else (spec.type, spec.context, [_plain_spec(child) for child in spec.children()])
+
+
+def _spec(plain) -> pytree.TreeSpec:
+    if plain is None:
+        return pytree.treespec_leaf()
+    node_type, context, children = plain
+    return pytree.TreeSpec(node_type, context, [_spec(child) for child in children])
+
+
+def _register_dataclasses(spec: pytree.TreeSpec) -> None:
+    """Registers the dataclasses the sender registered on first use, so that this rank can rebuild them."""
+    if spec.is_leaf():
+        return
+    if spec.type not in pytree.SUPPORTED_NODES and dataclasses.is_dataclass(spec.type):
+        pytree.register_dataclass(spec.type)
+    for child in spec.children():
+        _register_dataclasses(child)
+
+
+def _unpicklable_part(layout: Layout) -> str:
+    for index, leaf in enumerate(layout.leaves):
+        if not _picklable(leaf):
+            return f"non-tensor leaf {index}, {_describe_leaf(leaf)},"
+    nodes = [layout.spec]
+    while nodes:
+        node = nodes.pop()
+        if not node.is_leaf():
+            if not _picklable((node.type, node.context)):
+                return f"its {getattr(node.type, '__qualname__', node.type)} node"
+            nodes.extend(node.children())
+    return "its structure"
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True

@@ -1,0 +1,559 @@
+"""Pipeline training equals one process exactly: frozen parameters, outputs autograd saved, gradient-free and structured boundary values, kwargs, inference of any batch size."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ranks import run_ranks
+
+import pipecomm
+from pipecomm import executor
+from torch.utils.checkpoint import checkpoint
+
+HIDDEN = 8
+BATCH = 8
+SEQ = 3
+STEPS = 3
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+# Every schedule with the fewest ranks that exercise it: (schedule, stages per rank).
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))
+
+
+def mse(output, target):
+    return nn.functional.mse_loss(output, target)
+
+
+def float_batch(step: int):
+    """(positional inputs, keyword inputs, target) of one step."""
+    generator = torch.Generator().manual_seed(step)
+    return (torch.randn(BATCH, SEQ, HIDDEN, generator=generator),), {}, torch.randn(BATCH, SEQ, HIDDEN, generator=generator)
+
+
+def one_process(stages, args, kwargs, target, loss_fn) -> torch.Tensor:
+    """The unsplit model in plain PyTorch: each stage's output feeds the next as the pipeline passes it."""
+    output = stages[0](*args, **kwargs)
+    for stage in stages[1:]:
+        output = stage(*output) if isinstance(output, tuple) else stage(output)
+    loss = loss_fn(output, *(target if isinstance(target, tuple) else (target,)))
+    if loss.requires_grad:  # not where every parameter is frozen
+        loss.backward()
+    return loss.detach()
+
+
+def train_like_one_process(rank, world_size, build, make_batch, loss_fn, schedules=SCHEDULES, before_step=None,
+                           steps=STEPS, micro_batches=4, compiled=False) -> str:
+    """For each schedule, ``steps`` AdamW steps of the pipeline against the unsplit model on this process: every
+    step's loss and gradients, and every parameter at the end, to 1e-5. ``before_step(step, stages)`` may freeze or
+    unfreeze parameters (applied to both). AdamW holds the frozen parameters too: a gradient invented for one
+    would move it (weight decay)."""
+    for schedule, chunks in schedules:
+        num_stages = world_size * chunks
+        torch.manual_seed(0)
+        stages = build(num_stages)
+        reference = copy.deepcopy(stages)
+        mine = [rank + chunk * world_size for chunk in range(chunks)]
+        modules = [torch.compile(stages[s], backend="aot_eager") if compiled else stages[s] for s in mine]
+        pipe = pipecomm.Pipeline(modules, stage=mine, num_stages=num_stages, loss_fn=loss_fn,
+                                 micro_batches=micro_batches, schedule=schedule, timeout=30)
+        named = [(f"{schedule}, stage {s}: {name}", p) for s in mine for name, p in stages[s].named_parameters()]
+        ref_params = [p for s in mine for p in reference[s].parameters()]
+        optimizer = torch.optim.AdamW([p for _, p in named], lr=1e-2)
+        ref_optimizer = torch.optim.AdamW([p for stage in reference for p in stage.parameters()], lr=1e-2)
+        for step in range(steps):
+            if before_step:
+                before_step(step, stages)
+                before_step(step, reference)
+            args, kwargs, target = make_batch(step)
+            loss = pipe.step(*args, target=target, **kwargs)
+            ref_loss = one_process(reference, args, kwargs, target, loss_fn)
+            torch.testing.assert_close(loss, ref_loss, **TOLERANCE, msg=f"{schedule}: the loss of step {step}")
+            for (name, param), ref_param in zip(named, ref_params):
+                if ref_param.grad is None:
+                    assert param.grad is None, f"{name} got a gradient at step {step}"
+                else:
+                    torch.testing.assert_close(param.grad, ref_param.grad, **TOLERANCE, msg=f"{name}, step {step}")
+            optimizer.step()
+            ref_optimizer.step()
+            optimizer.zero_grad()
+            ref_optimizer.zero_grad()
+        for (name, param), ref_param in zip(named, ref_params):
+            torch.testing.assert_close(param, ref_param, **TOLERANCE, msg=name)
+        pipe.close()
+    return "ok"
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return x + torch.tanh(self.proj(self.norm(x)))
+
+
+# -- frozen parameters -------------------------------------------------------------------------
+
+
+class LoRALinear(nn.Module):
+    """A frozen base layer plus a trainable low-rank update, as LoRA trains it."""
+
+    def __init__(self, rank: int = 2):
+        super().__init__()
+        self.base = nn.Linear(HIDDEN, HIDDEN).requires_grad_(False)
+        self.down = nn.Linear(HIDDEN, rank, bias=False)
+        self.up = nn.Linear(rank, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+class LoRABlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN).requires_grad_(False)
+        self.mlp = LoRALinear()
+
+    def forward(self, x):
+        return x + torch.tanh(self.mlp(self.norm(x)))
+
+
+def lora_stages(num_stages: int) -> list[nn.Module]:
+    return [nn.Sequential(LoRABlock(), LoRABlock()) for _ in range(num_stages)]
+
+
+def test_lora_adapters_on_a_frozen_backbone(tmp_path):
+    run_ranks(2, train_like_one_process, tmp_path, lora_stages, float_batch, mse)
+
+
+def frozen_stages(num_stages: int) -> list[nn.Module]:
+    """Every other stage frozen: the first (its outputs then require no grad at all) and, of four, a middle one."""
+    stages = [nn.Sequential(Block(), Block()) for _ in range(num_stages)]
+    for stage in stages[::2]:
+        stage.requires_grad_(False)
+    return stages
+
+
+def freeze_all_at_the_last_step(step: int, stages: list[nn.Module]) -> None:
+    if step == STEPS:
+        for stage in stages:
+            stage.requires_grad_(False)
+
+
+def tied(rank: int) -> nn.Module:
+    """Stage ``rank`` of a model whose two stages share a weight, named as pipecomm.split names one."""
+    stage = Block()
+    stage.shared_parameters = {"proj.weight": (0, 1)}
+    return stage
+
+
+def frozen_around_the_pipeline(rank: int, world_size: int) -> str:
+    """Frozen stages in every schedule, then a step of an all-frozen model; frozen parameters that data-parallel
+    replicas and stages sharing a weight would otherwise reduce."""
+    train_like_one_process(rank, world_size, frozen_stages, float_batch, mse, before_step=freeze_all_at_the_last_step,
+                           steps=STEPS + 1)
+
+    # Data parallel (two replicas of one stage), with a frozen layer.
+    context = pipecomm.init(pipeline_size=1, data_size=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    model[0].requires_grad_(False)
+    reference = copy.deepcopy(model)
+    pipe = pipecomm.Pipeline(model, stage=0, num_stages=1, loss_fn=mse, micro_batches=2, group=context.pipeline_group,
+                             data_group=context.data_group, timeout=30)
+    optimizer, ref_optimizer = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(reference.parameters())
+    for step in range(STEPS):
+        (x,), _, target = float_batch(step)
+        half = slice(BATCH // 2 * context.dp_rank, BATCH // 2 * (context.dp_rank + 1))
+        pipe.step(x[half], target=target[half])
+        mse(reference(x), target).backward()
+        assert all(p.grad is None for p in model[0].parameters()), "a data-parallel reduction invented a gradient"
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+    for param, ref_param in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param, ref_param, **TOLERANCE)
+    pipe.close()
+
+    # A frozen weight shared by both stages (a tied embedding and head that are not trained).
+    torch.manual_seed(0)
+    stages = [tied(0), tied(1)]
+    stages[1].proj.weight = stages[0].proj.weight
+    for stage in stages:
+        stage.proj.weight.requires_grad_(False)
+    reference = copy.deepcopy(stages)
+    stage = copy.deepcopy(stages[rank])
+    pipe = pipecomm.Pipeline(stage, stage=rank, num_stages=2, loss_fn=mse, micro_batches=2, timeout=30)
+    optimizer, ref_optimizer = torch.optim.AdamW(stage.parameters()), torch.optim.AdamW(
+        [p for module in reference for p in module.parameters()])
+    for step in range(STEPS):
+        args, kwargs, target = float_batch(step)
+        torch.testing.assert_close(pipe.step(*args, target=target), one_process(reference, args, kwargs, target, mse),
+                                   **TOLERANCE)
+        assert stage.proj.weight.grad is None, "the shared-parameter reduction invented a gradient"
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+    for param, ref_param in zip(stage.parameters(), reference[rank].parameters()):
+        torch.testing.assert_close(param, ref_param, **TOLERANCE)
+    pipe.close()
+    return "ok"
+
+
+def test_frozen_stages_an_all_frozen_model_and_frozen_parameters_in_reductions(tmp_path):
+    run_ranks(2, frozen_around_the_pipeline, tmp_path, timeout=120)
+
+
+class PartlyFrozen(nn.Module):
+    """Frozen weights beside trainable biases, a frozen free parameter, and a trainable gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.block.norm.weight.requires_grad_(False)
+        self.block.proj.weight.requires_grad_(False)
+        self.offset = nn.Parameter(torch.randn(HIDDEN), requires_grad=False)
+        self.gate = nn.Parameter(torch.randn(HIDDEN))
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return self.out(self.block(x + self.offset)) * self.gate
+
+
+def partly_frozen_stages(num_stages: int) -> list[nn.Module]:
+    return [PartlyFrozen() for _ in range(num_stages)]
+
+
+def unfreeze_then_freeze_again(step: int, stages: list[nn.Module]) -> None:
+    """Between steps, as fine-tuning recipes do: a frozen weight thaws for step 1; at step 2 it freezes again, and
+    so do its bias and a weight trainable so far."""
+    for stage in stages:
+        stage.block.proj.weight.requires_grad_(step == 1)
+        stage.block.proj.bias.requires_grad_(step < 2)
+        stage.out.weight.requires_grad_(step < 2)
+
+
+def test_partly_frozen_modules_frozen_and_unfrozen_between_steps(tmp_path):
+    run_ranks(2, train_like_one_process, tmp_path, partly_frozen_stages, float_batch, mse, SCHEDULES,
+              unfreeze_then_freeze_again)
+
+
+def test_main_grad_buffers_skip_frozen_parameters_and_come_with_unfreezing():
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block()).to(torch.bfloat16)
+    model[0].proj.requires_grad_(False)
+    pipe = pipecomm.Pipeline(model, stage=0, num_stages=1, loss_fn=mse, micro_batches=2, main_grad=True)
+    (x,), _, target = float_batch(0)
+    x, target = x.to(torch.bfloat16), target.to(torch.bfloat16)
+    pipe.step(x, target=target)
+    for name, param in model.named_parameters():
+        assert param.grad is None, name
+        assert hasattr(param, "main_grad") == param.requires_grad, name
+        if param.requires_grad:
+            assert param.main_grad.dtype == torch.float32 and param.main_grad.abs().sum() > 0, name
+    model[0].proj.requires_grad_(True)
+    pipe.step(x, target=target)
+    assert model[0].proj.weight.grad is None and model[0].proj.weight.main_grad.dtype == torch.float32
+    assert model[0].proj.weight.main_grad.abs().sum() > 0
+    pipe.close()
+
+
+# -- outputs autograd saved ---------------------------------------------------------------------
+
+
+class SavesItsOutput(nn.Module):
+    """Returns ``(f(h), h)`` where computing f saved h for backward: a multiply by a parameter (for the
+    parameter's gradient) or an nn.Linear (for its weight's)."""
+
+    def __init__(self, linear: bool):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.scale = nn.Parameter(torch.randn(HIDDEN))
+        self.out = nn.Linear(HIDDEN, HIDDEN) if linear else None
+
+    def forward(self, x, skip=None):
+        h = torch.tanh(self.proj(x if skip is None else x + skip))
+        return (self.out(h) if self.out is not None else h * self.scale), h
+
+
+class Sum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, skip):
+        return self.proj(x) * skip
+
+
+def saved_output_stages(linear: bool):
+    def build(num_stages: int) -> list[nn.Module]:
+        return [SavesItsOutput(linear) for _ in range(num_stages - 1)] + [Sum()]
+    return build
+
+
+def scale_times_hidden(num_stages: int) -> list[nn.Module]:
+    return saved_output_stages(linear=False)(num_stages)
+
+
+def linear_of_hidden(num_stages: int) -> list[nn.Module]:
+    return saved_output_stages(linear=True)(num_stages)
+
+
+def saved_outputs(rank: int, world_size: int) -> str:
+    train_like_one_process(rank, world_size, scale_times_hidden, float_batch, mse)
+    train_like_one_process(rank, world_size, linear_of_hidden, float_batch, mse)
+    # Compiled stages save through AOT autograd's own function, which the saved-tensor hooks see too.
+    return train_like_one_process(rank, world_size, scale_times_hidden, float_batch, mse, (("1f1b", 1),),
+                                  compiled=True)
+
+
+def test_an_output_autograd_saved_keeps_its_data_after_the_send(tmp_path):
+    run_ranks(2, saved_outputs, tmp_path, timeout=120)
+
+
+def test_only_outputs_no_saved_tensor_shares_are_freed():
+    x = torch.randn(4, HIDDEN, requires_grad=True)
+    scale = torch.randn(HIDDEN, requires_grad=True)
+    saved = executor._SavedStorages()
+    with saved.observe():
+        h = torch.tanh(x)  # tanh saves its own output
+        product = h * scale  # saves h (and scale)
+        summed = product + 1  # saved by nothing
+        recomputed = product - 1
+        checkpoint(torch.sin, recomputed, use_reentrant=False)  # keeps its input for the recomputation
+        view = summed[:2]
+    outputs = [summed, h, recomputed, view, x, summed]  # a view, a leaf, one output twice
+    pointers = [tensor.untyped_storage().data_ptr() for tensor in outputs]
+    executor._free_storage(outputs, saved)
+    freed = [tensor.untyped_storage().data_ptr() != pointer for tensor, pointer in zip(outputs, pointers)]
+    assert freed == [True, False, False, False, False, True]
+    torch.testing.assert_close(view, (product + 1)[:2])
+
+    # A forward whose saved tensors were not observed (a CUDA-graph replay) keeps all its outputs.
+    unobserved = torch.tanh(x) * 2
+    pointer = unobserved.untyped_storage().data_ptr()
+    executor._free_storage([unobserved], None)
+    assert unobserved.untyped_storage().data_ptr() == pointer
+
+
+def test_observing_what_autograd_saves_makes_no_reference_cycle():
+    """An output an op saved for backward (tanh's) must go with its last reference, not wait for the garbage collector."""
+    x = torch.randn(4, requires_grad=True)
+    saved = executor._SavedStorages()
+    gc.disable()
+    try:
+        with saved.observe():
+            output = torch.tanh(x)
+        alive = weakref.ref(output)
+        del output
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
+# -- what crosses a boundary --------------------------------------------------------------------
+
+RECEIVED_REQUIRES_GRAD: list[list[bool]] = []  # per call of a later WithSideInputs stage, in this process
+
+
+class WithSideInputs(nn.Module):
+    """Carries a bool mask, int position ids, rotary-like cos values and a float constant, none of which needs a
+    gradient, beside the hidden state."""
+
+    def __init__(self, first: bool, last: bool):
+        super().__init__()
+        self.block = Block()
+        self.first, self.last = first, last
+
+    def forward(self, x, mask, positions, cos=None, scale=None):
+        if self.first:
+            cos, scale = torch.cos(positions.float()), 0.5
+        else:
+            RECEIVED_REQUIRES_GRAD.append([t.requires_grad for t in (x, mask, positions, cos)])
+        h = self.block(x) * mask.unsqueeze(-1) + scale * cos.unsqueeze(-1)
+        return h if self.last else (h, mask, positions, cos, scale)
+
+
+def side_input_stages(num_stages: int) -> list[nn.Module]:
+    return [WithSideInputs(index == 0, index == num_stages - 1) for index in range(num_stages)]
+
+
+def side_input_batch(step: int):
+    (x,), _, target = float_batch(step)
+    mask = torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(step)) > 0.3
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    return (x, mask, positions), {}, target
+
+
+def gradient_free_values(rank: int, world_size: int) -> tuple[list, list]:
+    """Trains with every schedule; returns, per gradient message this rank sent, which entries held a gradient."""
+    sent: list[list[bool]] = []
+    send_backward = executor.StageExecutor._send_backward
+
+    def recording(self, stage, micro_batch):
+        sent.append([grad is not None for grad in self._grads_in[(stage, micro_batch)]])
+        send_backward(self, stage, micro_batch)
+
+    executor.StageExecutor._send_backward = recording
+    train_like_one_process(rank, world_size, side_input_stages, side_input_batch, mse)
+    return sent, RECEIVED_REQUIRES_GRAD
+
+
+def test_tensors_that_need_no_gradient_cross_without_one(tmp_path):
+    (sent_by_0, received_by_0), (sent_by_1, received_by_1) = run_ranks(2, gradient_free_values, tmp_path, timeout=120)
+    # (hidden, mask, positions, cos): only the hidden state requires grad where it arrives and gets a gradient back.
+    assert sent_by_1 and received_by_1
+    assert all(flags == [True, False, False, False] for flags in sent_by_0 + sent_by_1), (sent_by_0, sent_by_1)
+    assert all(flags == [True, False, False, False] for flags in received_by_0 + received_by_1)
+
+
+@dataclasses.dataclass
+class Hidden:
+    """A dataclass no one registered as a pytree node."""
+
+    states: torch.Tensor
+    rows: int
+    note: str = "hidden"
+
+
+def wrapped(kind: str, h: torch.Tensor):
+    """``h`` inside the structure stage outputs of this kind take, with non-tensor leaves the next stage uses."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    if kind == "dict":
+        return {"flat": h.flatten(0, 1), "rows": h.shape[0], "scale": 0.5, "dtype": h.dtype, "nothing": None,
+                "shape": h.shape}
+    if kind == "dataclass":
+        return Hidden(states=h, rows=h.shape[0])
+    if kind == "logits":
+        return {"logits": h, "states": (h * 2, None), "width": HIDDEN}
+    return BaseModelOutput(last_hidden_state=h, hidden_states=(h * 2, h))
+
+
+def unwrapped(structure) -> torch.Tensor:
+    if type(structure) is dict and "logits" in structure:
+        return structure["logits"] - structure["states"][0] / structure["width"]
+    if type(structure) is dict:  # a ModelOutput is a dict too
+        assert structure["dtype"] is torch.float32 and structure["nothing"] is None
+        assert structure["shape"] == torch.Size([structure["rows"], SEQ, HIDDEN])
+        return structure["flat"].reshape(structure["rows"], -1, HIDDEN) / structure["scale"]
+    if isinstance(structure, Hidden):
+        assert structure.note == "hidden"
+        return structure.states.reshape(structure.rows, SEQ, HIDDEN)
+    return structure.last_hidden_state + structure.hidden_states[0]
+
+
+KINDS = ("dict", "dataclass", "model_output", "dict")
+
+
+class Structured(nn.Module):
+    """Takes the previous stage's structure (the first: a dict input and keyword arguments), returns its own kind."""
+
+    def __init__(self, kind: str, first: bool):
+        super().__init__()
+        self.block = Block()
+        self.kind, self.first = kind, first
+
+    def forward(self, inputs, attention_mask=None, shift=None):
+        if self.first:
+            h = inputs["x"] * attention_mask.unsqueeze(-1) + shift["bias"].unsqueeze(1) * shift["factor"]
+        else:
+            h = unwrapped(inputs)
+        return wrapped(self.kind, self.block(h))
+
+
+def structured_stages(num_stages: int, kinds: tuple[str, ...] = KINDS) -> list[nn.Module]:
+    return [Structured(kinds[index % len(kinds)], index == 0) for index in range(num_stages)]
+
+
+def structured_batch(step: int):
+    """A dict positional input, tensor and pytree keyword inputs, a dict target."""
+    (x,), _, target = float_batch(step)
+    generator = torch.Generator().manual_seed(100 + step)
+    mask = (torch.rand(BATCH, SEQ, generator=generator) > 0.2).float()
+    kwargs = {"attention_mask": mask, "shift": {"bias": torch.randn(BATCH, HIDDEN, generator=generator), "factor": 3}}
+    return ({"x": x},), kwargs, {"y": target, "weight": torch.rand(BATCH, generator=generator)}
+
+
+def structured_loss(output, target: dict) -> torch.Tensor:
+    """Receives the structure the model produced, and the target's."""
+    error = (unwrapped(output) - target["y"]).pow(2).mean(dim=(1, 2))
+    return (error * target["weight"]).mean()
+
+
+def test_dicts_dataclasses_and_model_outputs_cross_and_kwargs_split_into_micro_batches(tmp_path):
+    run_ranks(2, train_like_one_process, tmp_path, structured_stages, structured_batch, structured_loss, timeout=120)
+
+
+class Skips(nn.Module):
+    """The first stage sends (hidden, skip, side); later ones pass the skip through unchanged, some after using it
+    too, and drop ``side`` (so its gradient is None); the last adds the skip back."""
+
+    def __init__(self, index: int, num_stages: int):
+        super().__init__()
+        self.block = Block()
+        self.side = nn.Linear(HIDDEN, HIDDEN)
+        self.index, self.num_stages = index, num_stages
+
+    def forward(self, x, skip=None, side=None):
+        if self.index == 0:
+            return self.block(x), x * 2, self.side(x)
+        h = self.block(x)
+        if self.index == self.num_stages - 1:
+            return h + skip
+        if self.index % 2:
+            h = h + 0.5 * skip  # used and passed on: its gradient is the sum of both
+        return h, skip, self.side(h) if self.index == 1 else side
+
+
+def skip_stages(num_stages: int) -> list[nn.Module]:
+    return [Skips(index, num_stages) for index in range(num_stages)]
+
+
+def test_a_skip_crosses_several_stages_and_an_unused_input_gets_no_gradient(tmp_path):
+    run_ranks(4, train_like_one_process, tmp_path, skip_stages, float_batch, mse, timeout=120)
+
+
+def inference(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    stages = structured_stages(world_size, ("model_output", "logits"))
+    pipe = pipecomm.Pipeline(stages[rank], stage=rank, num_stages=world_size, loss_fn=structured_loss,
+                             micro_batches=4, timeout=30)
+    for batch_size in (1, 3, BATCH):
+        (inputs,), kwargs, _ = structured_batch(batch_size)
+        inputs = {"x": inputs["x"][:batch_size]}
+        kwargs = {"attention_mask": kwargs["attention_mask"][:batch_size],
+                  "shift": {"bias": kwargs["shift"]["bias"][:batch_size], "factor": 3}}
+        with torch.no_grad():
+            expected = one_process_forward(stages, inputs, kwargs)
+        first = rank == 0
+        output = pipe.forward(inputs, **kwargs) if first else pipe.forward()
+        if rank == world_size - 1:
+            torch.testing.assert_close(output, expected, **TOLERANCE)
+        else:
+            assert output is None
+        broadcast = pipe.forward(inputs, broadcast_result=True, **kwargs) if first else pipe.forward(broadcast_result=True)
+        torch.testing.assert_close(broadcast, expected, **TOLERANCE)
+    pipe.close()
+    return "ok"
+
+
+def one_process_forward(stages, inputs, kwargs):
+    output = stages[0](inputs, **kwargs)
+    for stage in stages[1:]:
+        output = stage(output)
+    return output
+
+
+def test_inference_of_any_batch_size_returns_the_model_structure_on_every_rank(tmp_path):
+    run_ranks(2, inference, tmp_path, timeout=120)

@@ -1,0 +1,193 @@
+"""Real models, split by their own annotations with no adapters, train on CPU ranks exactly as one process does."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from models import VOCAB, LongSkip, ResidualCNN, gpt2, llama
+from ranks import needs_cuda, rank_device, run_ranks
+
+import pipecomm
+
+BATCH, SEQ, STEPS = 8, 8, 3
+
+
+def lm_loss(output, labels):
+    return nn.functional.cross_entropy(output.logits.flatten(0, 1), labels.flatten())
+
+
+def lm_batch(step: int):
+    generator = torch.Generator().manual_seed(step)
+    data = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[::3, :2] = 0  # left padding on some rows
+    return (data[:, :-1],), {"attention_mask": mask}, data[:, 1:]
+
+
+def reference_step(model, inputs, kwargs, target, loss_fn, micro_batches: int):
+    """One process, gradient accumulation over the same micro-batches, in plain PyTorch."""
+    total = 0.0
+    for index in range(micro_batches):
+        def piece(value):
+            return value.chunk(micro_batches)[index] if isinstance(value, torch.Tensor) else value
+        output = model(*map(piece, inputs), **{key: piece(value) for key, value in kwargs.items()})
+        loss = loss_fn(output, piece(target)) / micro_batches
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def train_and_compare(rank, world_size, build, loss_fn, make_batch, schedule, virtual, micro_batches, kind="cpu",
+                      cuda_graphs=False):
+    """3 AdamW steps of the split model against the unsplit one: every step's loss and, at the end, every parameter."""
+    device = rank_device(rank, kind)
+    num_stages = world_size * virtual
+    model = build(num_stages)
+    reference = copy.deepcopy(model)
+    inputs, kwargs, _ = make_batch(100)
+    example = tuple(value[:2] for value in inputs)
+    example_kwargs = {key: value[:2] for key, value in kwargs.items()}
+    mine = [rank + chunk * world_size for chunk in range(virtual)]
+    stages = pipecomm.split(model, num_stages, mine, example_inputs=example, example_kwargs=example_kwargs,
+                            device=device)
+    pipe = pipecomm.Pipeline(stages if virtual > 1 else stages[0], stage=mine if virtual > 1 else mine[0],
+                             num_stages=num_stages, loss_fn=loss_fn, micro_batches=micro_batches, schedule=schedule,
+                             timeout=60, cuda_graphs=cuda_graphs)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    own = {name: param for stage in stages for name, param in stage.named_parameters()}
+    optimizer = torch.optim.AdamW(list({id(p): p for p in pipe.parameters()}.values()), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if kind == "cpu" else dict(rtol=1e-4, atol=1e-4)
+    for step in range(STEPS):
+        inputs, kwargs, target = make_batch(step)
+        loss = pipe.step(*inputs, target=target, **kwargs)
+        ref_loss = reference_step(reference, inputs, kwargs, target, loss_fn, micro_batches)
+        torch.testing.assert_close(loss.cpu(), ref_loss, **tolerance, msg=f"step {step}")
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    for name, param in own.items():
+        torch.testing.assert_close(param.detach().cpu(), ref_params[name].detach(), **tolerance, msg=name)
+    ref_buffers = dict(reference.named_buffers())
+    for stage in stages:  # BatchNorm statistics, updated micro-batch by micro-batch in both
+        for name, buffer in stage.named_buffers():
+            torch.testing.assert_close(buffer.cpu(), ref_buffers[name], **tolerance, msg=name)
+    assert set(own) <= set(params)
+    pipe.close()
+    return "ok"
+
+
+LM_CASES = [
+    ("gpipe", 2, 1, 4), ("1f1b", 2, 1, 4), ("zb-h1", 2, 1, 4), ("interleaved-1f1b", 2, 2, 4), ("1f1b", 4, 1, 4),
+]
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize(("schedule", "world_size", "virtual", "micro_batches"), LM_CASES,
+                         ids=[f"{case[0]}-{case[1]}ranks" for case in LM_CASES])
+def test_hugging_face_language_models_train_exactly(tmp_path, build, schedule, world_size, virtual, micro_batches):
+    assert run_ranks(world_size, train_and_compare, tmp_path, build, lm_loss, lm_batch, schedule, virtual,
+                     micro_batches, timeout=240) == ["ok"] * world_size
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved-1f1b"])
+@needs_cuda
+def test_hugging_face_language_models_train_exactly_on_one_gpu_over_ipc(tmp_path, build, schedule):
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    assert run_ranks(2, train_and_compare, tmp_path, build, lm_loss, lm_batch, schedule, virtual, 4, "cuda",
+                     timeout=240) == ["ok"] * 2
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@needs_cuda
+def test_hugging_face_language_models_replay_cuda_graphs_exactly(tmp_path, build, schedule):
+    assert run_ranks(2, train_and_compare, tmp_path, build, lm_loss, lm_batch, schedule, 1, 4, "cuda", True,
+                     timeout=240) == ["ok"] * 2
+
+
+def image_batch(step: int):
+    generator = torch.Generator().manual_seed(step)
+    return (torch.randn(BATCH, 3, 8, 8, generator=generator),), {}, torch.randint(0, 5, (BATCH,), generator=generator)
+
+
+def annotated_cnn(num_stages: int) -> ResidualCNN:
+    torch.manual_seed(0)
+    model = ResidualCNN()
+    for index, module in enumerate([model.stem, model.conv1, model.conv2, model.head]):
+        module.pipeline_stage = index * num_stages // 4
+    return model
+
+
+def vector_batch(step: int):
+    generator = torch.Generator().manual_seed(step)
+    return (torch.randn(BATCH, 8, generator=generator),), {}, torch.randn(BATCH, 8, generator=generator)
+
+
+def long_skip(num_stages: int) -> LongSkip:
+    torch.manual_seed(0)
+    return LongSkip()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_cnn_with_functional_ops_in_its_forward_trains_exactly(tmp_path, schedule):
+    assert run_ranks(2, train_and_compare, tmp_path, annotated_cnn, nn.functional.cross_entropy, image_batch,
+                     schedule, 1, 4, timeout=180) == ["ok"] * 2
+
+
+def test_a_skip_over_four_stages_trains_exactly(tmp_path):
+    assert run_ranks(4, train_and_compare, tmp_path, long_skip, nn.functional.mse_loss, vector_batch, "1f1b", 1, 4,
+                     timeout=180) == ["ok"] * 4
+
+
+class NormNet(nn.Module):
+    """BatchNorm between two layers: its statistics are per micro-batch, in the pipeline as in accumulation."""
+
+    def __init__(self, num_stages: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.second = nn.Linear(8, 8)
+        self.first.pipeline_stage = self.norm.pipeline_stage = 0
+        self.second.pipeline_stage = num_stages - 1
+
+    def forward(self, x):
+        return self.second(torch.relu(self.norm(self.first(x))))
+
+
+def test_batch_norm_matches_accumulation_over_the_same_micro_batches(tmp_path):
+    assert run_ranks(2, train_and_compare, tmp_path, NormNet, nn.functional.mse_loss, vector_batch, "1f1b", 1, 4,
+                     timeout=180) == ["ok"] * 2
+
+
+def greedy_decoding(rank: int, world_size: int, batch: int) -> str:
+    model = gpt2(world_size)
+    reference = copy.deepcopy(model).eval()
+    prompt = torch.randint(0, VOCAB, (batch, 4), generator=torch.Generator().manual_seed(5))
+    stage = pipecomm.split(model, world_size, rank, example_inputs=(prompt[:2] if batch > 1 else prompt.repeat(2, 1),))
+    stage.eval()
+    pipe = pipecomm.Pipeline(stage, stage=rank, num_stages=world_size, loss_fn=lm_loss, micro_batches=4, timeout=60)
+    tokens = expected = prompt
+    for _ in range(8):
+        logits = pipe.forward(tokens, broadcast_result=True).logits
+        tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        with torch.no_grad():
+            ref_logits = reference(expected).logits
+        expected = torch.cat([expected, ref_logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, expected)
+    pipe.close()
+    return "ok"
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+def test_greedy_decoding_token_for_token_with_a_broadcast_result(tmp_path, batch):
+    assert run_ranks(2, greedy_decoding, tmp_path, batch, timeout=180) == ["ok"] * 2
