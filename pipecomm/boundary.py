@@ -25,6 +25,8 @@ class Layout(NamedTuple):
 
 
 class Flat(NamedTuple):
+    """A structure taken apart: its tensor leaves, in order, and the rest."""
+
     tensors: list[torch.Tensor]
     layout: Layout
 

@@ -52,7 +52,8 @@ def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class _SavedStorages:
-    """The storages of the tensors autograd saves for backward during a forward."""
+    """The storages of the tensors autograd saves for backward during a forward, seen by saved-tensor hooks (which
+    see what torch.compile'd regions save too)."""
 
     def __init__(self):
         self.pointers: set[int] = set()
@@ -88,11 +89,13 @@ def _storage_pointer(tensor: torch.Tensor) -> int | None:
 def _free_storage(outputs: Sequence[torch.Tensor], saved: _SavedStorages | None) -> None:
     """Drops the data of sent outputs while their autograd nodes live on (Megatron's deallocate_output_tensor).
 
-    ``.data`` swaps the storage of the tensor object itself, which an op that saved that very tensor
-    for backward (a multiply, for its other operand's gradient) would then read. So only outputs
-    whose storage no saved tensor shares are freed; only outputs autograd computed (a leaf may be a
-    parameter or a received input, passed through); and no views (their base keeps the memory).
-    Outputs of a forward whose saved tensors were not observed (``saved`` None) are all kept.
+    ``.data`` swaps the storage of the tensor object itself, so whatever holds that object for the
+    backward would read the placeholder: an op that saved it (a multiply, for its other operand's
+    gradient) or zb-h1's deferred weight gradient, which keeps a Linear's input (autograd saves that
+    input too). So an output is freed only if no tensor autograd saved shares its storage, if autograd
+    computed it (a leaf may be a parameter or a received input passed through) and if it is no view
+    (its base keeps the memory). Outputs of a forward whose saves were not observed (``saved`` None:
+    CUDA graphs) are all kept.
     """
     if saved is None:
         return

@@ -9,14 +9,13 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from ranks import run_ranks
+from ranks import needs_cuda, rank_device, run_ranks
 
 import pipecomm
 from pipecomm import executor
-from torch.utils.checkpoint import checkpoint
 
 HIDDEN = 8
 BATCH = 8
@@ -49,20 +48,24 @@ def one_process(stages, args, kwargs, target, loss_fn) -> torch.Tensor:
 
 
 def train_like_one_process(rank, world_size, build, make_batch, loss_fn, schedules=SCHEDULES, before_step=None,
-                           steps=STEPS, micro_batches=4, compiled=False) -> str:
-    """For each schedule, ``steps`` AdamW steps of the pipeline against the unsplit model on this process: every
-    step's loss and gradients, and every parameter at the end, to 1e-5. ``before_step(step, stages)`` may freeze or
-    unfreeze parameters (applied to both). AdamW holds the frozen parameters too: a gradient invented for one
-    would move it (weight decay)."""
+                           steps=STEPS, micro_batches=4, compiled=False, kind="cpu") -> str:
+    """For each schedule, ``steps`` AdamW steps of the pipeline against the unsplit model on this process's CPU:
+    every step's loss and gradients, and every parameter at the end, to 1e-5 (1e-4 on GPUs: ``kind`` "cuda" or
+    "cuda-graphs"). ``before_step(step, stages)`` may freeze or unfreeze parameters (applied to both). AdamW holds
+    the frozen parameters too: a gradient invented for one would move it (weight decay)."""
+    device = rank_device(rank, "cuda" if kind.startswith("cuda") else "cpu")
+    tolerance = TOLERANCE if kind == "cpu" else dict(rtol=1e-4, atol=1e-5)
     for schedule, chunks in schedules:
         num_stages = world_size * chunks
         torch.manual_seed(0)
         stages = build(num_stages)
         reference = copy.deepcopy(stages)
         mine = [rank + chunk * world_size for chunk in range(chunks)]
-        modules = [torch.compile(stages[s], backend="aot_eager") if compiled else stages[s] for s in mine]
+        modules = [stages[s].to(device) for s in mine]
+        modules = [torch.compile(module, backend="aot_eager") if compiled else module for module in modules]
         pipe = pipecomm.Pipeline(modules, stage=mine, num_stages=num_stages, loss_fn=loss_fn,
-                                 micro_batches=micro_batches, schedule=schedule, timeout=30)
+                                 micro_batches=micro_batches, schedule=schedule, timeout=30,
+                                 cuda_graphs=kind == "cuda-graphs")
         named = [(f"{schedule}, stage {s}: {name}", p) for s in mine for name, p in stages[s].named_parameters()]
         ref_params = [p for s in mine for p in reference[s].parameters()]
         optimizer = torch.optim.AdamW([p for _, p in named], lr=1e-2)
@@ -74,18 +77,19 @@ def train_like_one_process(rank, world_size, build, make_batch, loss_fn, schedul
             args, kwargs, target = make_batch(step)
             loss = pipe.step(*args, target=target, **kwargs)
             ref_loss = one_process(reference, args, kwargs, target, loss_fn)
-            torch.testing.assert_close(loss, ref_loss, **TOLERANCE, msg=f"{schedule}: the loss of step {step}")
+            torch.testing.assert_close(loss.cpu(), ref_loss, **tolerance, msg=f"{schedule}: the loss of step {step}")
             for (name, param), ref_param in zip(named, ref_params):
                 if ref_param.grad is None:
                     assert param.grad is None, f"{name} got a gradient at step {step}"
                 else:
-                    torch.testing.assert_close(param.grad, ref_param.grad, **TOLERANCE, msg=f"{name}, step {step}")
+                    torch.testing.assert_close(param.grad.cpu(), ref_param.grad, **tolerance,
+                                               msg=f"{name}, step {step}")
             optimizer.step()
             ref_optimizer.step()
             optimizer.zero_grad()
             ref_optimizer.zero_grad()
         for (name, param), ref_param in zip(named, ref_params):
-            torch.testing.assert_close(param, ref_param, **TOLERANCE, msg=name)
+            torch.testing.assert_close(param.detach().cpu(), ref_param.detach(), **tolerance, msg=name)
         pipe.close()
     return "ok"
 
@@ -524,6 +528,7 @@ def test_a_skip_crosses_several_stages_and_an_unused_input_gets_no_gradient(tmp_
     run_ranks(4, train_like_one_process, tmp_path, skip_stages, float_batch, mse, timeout=120)
 
 
+
 def inference(rank: int, world_size: int) -> str:
     torch.manual_seed(0)
     stages = structured_stages(world_size, ("model_output", "logits"))
@@ -557,3 +562,28 @@ def one_process_forward(stages, inputs, kwargs):
 
 def test_inference_of_any_batch_size_returns_the_model_structure_on_every_rank(tmp_path):
     run_ranks(2, inference, tmp_path, timeout=120)
+
+
+SCENARIOS = {
+    "lora": (lora_stages, float_batch, mse),
+    "side inputs": (side_input_stages, side_input_batch, mse),
+    "structures": (structured_stages, structured_batch, structured_loss),
+    "skips": (skip_stages, float_batch, mse),
+}
+
+
+@pytest.mark.parametrize("scenario", ["side inputs", "structures", "skips"])
+def test_stages_of_one_process_hand_over_through_the_loopback_alike(scenario):
+    RECEIVED_REQUIRES_GRAD.clear()
+    train_like_one_process(0, 1, *SCENARIOS[scenario], (("interleaved-1f1b", 4),))
+    assert all(flags == [True, False, False, False] for flags in RECEIVED_REQUIRES_GRAD)  # side inputs: see above
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["cuda", "cuda-graphs"])
+@pytest.mark.parametrize("scenario", ["lora", "side inputs", "structures"])
+def test_on_gpus_eager_and_replaying_cuda_graphs(tmp_path, scenario, kind):
+    """The same over CUDA IPC, eager (every schedule) and replaying CUDA graphs (the schedules they support)."""
+    schedules = SCHEDULES if kind == "cuda" else (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
+    run_ranks(2, train_like_one_process, tmp_path, *SCENARIOS[scenario], schedules, None, STEPS, 4, False, kind,
+              timeout=300)
