@@ -132,13 +132,14 @@ def _units(model: nn.Module, stage_of: dict[str, int | None]) -> list[str]:
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, units: list[str]) -> torch.export.ExportedProgram:
     """The model's forward on the example micro-batch, every tensor dimension left to torch.export."""
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    signature = inspect.signature(model.forward)
+    bound = signature.bind(*args, **kwargs)
     dynamic_shapes = {
         name: pytree.tree_map(lambda value: {d: Dim.AUTO for d in range(value.dim())}
                               if isinstance(value, torch.Tensor) else None, value)
         for name, value in bound.arguments.items()
     }
-    kinds = {param.name: param.kind for param in inspect.signature(model.forward).parameters.values()}
+    kinds = {param.name: param.kind for param in signature.parameters.values()}
     if any(kinds[name] in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for name in bound.arguments):
         dynamic_shapes = None  # torch.export names *args/**kwargs differently; fall back to its default
     try:
@@ -290,7 +291,7 @@ def _emit_unit_call(graph: torch.fx.Graph, call: str, signature, values: dict, s
               for arg in signature.inputs]
     args_spec, kwargs_spec = _children(signature.in_spec)
     per_argument = list(_subtrees(leaves, args_spec)) + list(_subtrees(leaves[args_spec.num_leaves:], kwargs_spec))
-    arguments = [_rebuild(graph, sub_leaves, sub_spec, specs, call) for sub_leaves, sub_spec in per_argument]
+    arguments = [_rebuild(graph, sub_leaves, sub_spec, specs) for sub_leaves, sub_spec in per_argument]
     positional = tuple(arguments[: args_spec.num_children])
     keywords = dict(zip(kwargs_spec.context, arguments[args_spec.num_children:]))
     result = graph.call_module(fqn, positional, keywords)
@@ -322,7 +323,7 @@ def _children(spec) -> list:
     return list(spec.children()) if callable(getattr(spec, "children", None)) else list(spec.children_specs)
 
 
-def _rebuild(graph: torch.fx.Graph, leaves: list, spec, specs: dict, call: str):
+def _rebuild(graph: torch.fx.Graph, leaves: list, spec, specs: dict):
     """One argument of a unit call from its flat leaves: the leaf itself, or a tree_unflatten node."""
     if spec.is_leaf():
         return leaves[0]
