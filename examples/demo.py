@@ -113,10 +113,6 @@ def run(rank: int, world_size: int, store_path: str, args) -> None:
               f"{[f'{w:.1e}' for w in worst_all]} -> {verdict}", flush=True)
     pipe.close()
     dist.destroy_process_group()
-    # gloo's worker threads drop the last collective's Python tensors only once they hold the GIL; a
-    # process that exits before they do aborts ("terminate called without an active exception", about one
-    # run in five here). Sleeping hands them the GIL.
-    time.sleep(0.1)
     if last and max(worst_all) >= 1e-4:
         sys.exit(1)
 

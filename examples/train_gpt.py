@@ -147,10 +147,6 @@ def main() -> None:
               flush=True)
     pipe.close()
     dist.destroy_process_group()
-    # gloo's worker threads drop the last collective's Python tensors only once they hold the GIL; a
-    # process that exits before they do aborts ("terminate called without an active exception", about one
-    # run in five here). Sleeping hands them the GIL.
-    time.sleep(0.1)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from pipecomm import _C
 from pipecomm._ops import accumulate_, pack, packed_nbytes, unpack_
+from pipecomm.failure import PeerFailedError
 from pipecomm.parallel import ParallelContext, init
 from pipecomm.partition import StageModule, merge_checkpoints, split
 from pipecomm.pipeline import Pipeline
@@ -17,6 +18,7 @@ except PackageNotFoundError:  # running from a source tree that was built in pla
 
 __all__ = [
     "ParallelContext",
+    "PeerFailedError",
     "Pipeline",
     "StageModule",
     "accumulate_",

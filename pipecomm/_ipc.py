@@ -1,4 +1,4 @@
-"""The CUDA-IPC channel's Python side: growing the peer's slots through the store, and a bounded close."""
+"""The CUDA-IPC channel's Python side: growing the peer's slots through the store, and a bounded close and abort."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ _GROW_REQUEST = struct.Struct("<QQ")  # slot bytes needed, first message seq to 
 # How often the grow service looks for requests: fast right after one, backing off while idle.
 _POLL_MIN_SECONDS = 0.001
 _POLL_MAX_SECONDS = 0.05
+# How long an abort waits for the grow service to stop, then for the copies queued on the channel's stream.
+_ABORT_PATIENCE_SECONDS = 0.5
 
 
 class IpcChannel(Channel):
@@ -34,22 +36,12 @@ class IpcChannel(Channel):
         self._rendezvous = rendezvous
         self._recv = native.recv
         self._native_send = native.send
+        self._interrupt = native.interrupt
         self._grow_requests = 0
         # The peer may need bigger slots while this rank is busy elsewhere: a thread answers at once,
         # so two ranks sending oversized messages to each other cannot deadlock.
         self._grow_service = threading.Thread(target=self._serve_grow_requests, daemon=True)
         self._grow_service.start()
-
-    # send and recv skip the base class's layers on the per-message path; the checks stay the same.
-    def send(self, tensors):
-        if self._closed:
-            self._check_open("send")
-        self._send(tensors if isinstance(tensors, (list, tuple)) else list(tensors))
-
-    def recv(self, out=None):
-        if self._closed or self._pending_recvs or out is not None:
-            return super().recv(out)
-        return self._recv()
 
     def _shrink(self, slot_bytes):
         # The peer may already be sending the next num_slots messages into the old slots: the smaller
@@ -107,16 +99,26 @@ class IpcChannel(Channel):
             pause = _POLL_MIN_SECONDS
 
     def _close(self):
-        self._native.close()
-        self._grow_service.join(timeout=5)
+        if not self._release_native("", 5, self.timeout):
+            raise ChannelTimeoutError(
+                f"{self._name()}: transfers still pending {self.timeout:g} s after close; the peer is gone or "
+                f"stopped receiving"
+            )
+
+    def _abort(self, reason):
+        self._release_native(reason, _ABORT_PATIENCE_SECONDS, _ABORT_PATIENCE_SECONDS)
+
+    def _release_native(self, reason: str, service_patience: float, transfer_patience: float) -> bool:
+        """Closes the native channel; returns whether the copies queued on it finished in time."""
+        # The grow service stops within a poll once the channel is closed; it must not grow a closed ring.
+        self._grow_service.join(timeout=service_patience)
+        self._native.close(reason)
         # The rings free their memory once the copies queued on them are done; a peer that died
-        # mid-transfer would leave those waiting forever, so past the timeout the memory is leaked.
-        deadline = time.monotonic() + self.timeout
+        # mid-transfer would leave those waiting forever, so past the patience the memory is leaked.
+        deadline = time.monotonic() + transfer_patience
         while not self._native.transfers_done():
             if time.monotonic() > deadline:
                 self._native.abandon()
-                raise ChannelTimeoutError(
-                    f"pipecomm ipc channel rank {self.rank} <-> rank {self.peer_rank}: transfers still pending "
-                    f"{self.timeout:g} s after close; the peer is gone or stopped receiving"
-                )
+                return False
             time.sleep(0.001)
+        return True

@@ -94,12 +94,14 @@ class _Header(NamedTuple):
     layout: Layout
     requires_grad: tuple[bool, ...]
     micro_batches: int
+    batch_size: int | None
 
 
 class Received(NamedTuple):
     structure: Any
     tensors: list[torch.Tensor]  # the message's tensors, in order: the ones a gradient message answers
     micro_batches: int  # how many micro-batches the first stage split the batch into
+    batch_size: int | None  # the whole batch's size on the first stage (None: not said)
 
 
 class StructureChannel:
@@ -117,11 +119,12 @@ class StructureChannel:
         self._sent: _Header | None = None
         self._received: _Header | None = None
 
-    def send(self, flat: Flat, micro_batches: int) -> None:
-        header = _Header(flat.layout, tuple(tensor.requires_grad for tensor in flat.tensors), micro_batches)
+    def send(self, flat: Flat, micro_batches: int, batch_size: int | None = None) -> None:
+        """``batch_size`` (the whole batch's, as the first stage got it) lets the last stage check its targets."""
+        header = _Header(flat.layout, tuple(tensor.requires_grad for tensor in flat.tensors), micro_batches, batch_size)
         encoded = None
         if not _same_header(header, self._sent):
-            data = serialize(header.layout, (header.requires_grad, micro_batches), "a stage's output")
+            data = serialize(header.layout, (header.requires_grad, micro_batches, batch_size), "a stage's output")
             encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
             self._sent = header
         self.channel.send((encoded, *(tensor.detach() for tensor in flat.tensors)))
@@ -129,23 +132,27 @@ class StructureChannel:
     def recv(self) -> Received:
         encoded, *tensors = self.channel.recv()
         if encoded is not None:
-            layout, (requires_grad, micro_batches) = deserialize(encoded.cpu().numpy().tobytes())
-            self._received = _Header(layout, requires_grad, micro_batches)
+            layout, (requires_grad, micro_batches, batch_size) = deserialize(encoded.cpu().numpy().tobytes())
+            self._received = _Header(layout, requires_grad, micro_batches, batch_size)
         header = self._received
         if header is None:
             raise RuntimeError("pipecomm: the first message on a stage boundary came without its header")
         for tensor, requires_grad in zip(tensors, header.requires_grad):
             if requires_grad:
                 tensor.requires_grad_()
-        return Received(unflatten(tensors, header.layout), tensors, header.micro_batches)
+        return Received(unflatten(tensors, header.layout), tensors, header.micro_batches, header.batch_size)
 
     def close(self) -> None:
         self.channel.close()
 
+    def abort(self, reason: str) -> None:
+        self.channel.abort(reason)
+
 
 def _same_header(header: _Header, last: _Header | None) -> bool:
     return (last is not None and header.requires_grad == last.requires_grad
-            and header.micro_batches == last.micro_batches and layout_mismatch(header.layout, last.layout) is None)
+            and header.micro_batches == last.micro_batches and header.batch_size == last.batch_size
+            and layout_mismatch(header.layout, last.layout) is None)
 
 
 def _describe_leaf(leaf: Any) -> str:

@@ -201,10 +201,16 @@ class StageExecutor:
         } if cuda_graphs else {}
         self.timeline: list[tuple[float, float, Action]] = []
 
-    def run(self, inputs: list[tuple[tuple, dict]] | None, targets: list[tuple] | None) -> torch.Tensor | None:
+    def run(self, inputs: list[tuple[tuple, dict]] | None, targets: list[tuple] | None,
+            batch_size: int | None = None, target_batch: int | None = None) -> torch.Tensor | None:
         """One training step over all micro-batches (``inputs``: each one's positional and keyword arguments of the
-        first stage); returns the summed (already 1/m-scaled) losses on the last stage."""
+        first stage); returns the summed (already 1/m-scaled) losses on the last stage.
+
+        ``batch_size`` is the batch's on the first stage; later stages learn it from the activations and the
+        last one checks that its targets' batch size, ``target_batch``, matches.
+        """
         self._inputs, self._targets = inputs, targets
+        self._batch_size, self._target_batch = batch_size, target_batch
         self._received: dict[tuple[int, int], boundary.Received] = {}
         # The tensors of a received message that gradients answer (none on the first stage, whose inputs are data).
         self._stage_inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -254,6 +260,7 @@ class StageExecutor:
             received = self._received.pop(key)
             args, kwargs = boundary.as_arguments(received.structure), {}
             self._stage_inputs[key] = received.tensors
+            self._check_batch(received, last)
         targets = self._targets[micro_batch] if last else ()
         graphed = self.graphed.get(stage)
         if graphed:
@@ -280,6 +287,16 @@ class StageExecutor:
         else:
             self._outputs[key] = boundary.flatten(output)
             self._saved[key] = saved
+
+    def _check_batch(self, received: boundary.Received, last: bool) -> None:
+        """The first stage's batch against this rank's schedule and, on the last stage, its targets: a target of
+        another batch size would broadcast silently in many losses."""
+        if received.micro_batches != self.schedule.micro_batches:
+            raise ValueError(f"step: the first stage split the batch into {received.micro_batches} micro-batches but "
+                             f"the Pipeline on rank {self.rank} has micro_batches={self.schedule.micro_batches}")
+        if last and None not in (received.batch_size, self._target_batch) and received.batch_size != self._target_batch:
+            raise ValueError(f"step: target has batch size {self._target_batch} but the inputs have "
+                             f"{received.batch_size}")
 
     def _add_loss(self, loss: torch.Tensor) -> None:
         self._loss = loss if self._loss is None else self._loss + loss
@@ -349,11 +366,14 @@ class StageExecutor:
     def _send_forward(self, stage: int, micro_batch: int) -> None:
         key = (stage, micro_batch)
         outputs = self._outputs[key]
-        self._transfer("send", "act", stage + 1, stage, micro_batch, outputs, self.schedule.micro_batches)
+        self._transfer("send", "act", stage + 1, stage, micro_batch, outputs, self.schedule.micro_batches,
+                       self._batch_size)
         _free_storage(outputs.tensors, self._saved.pop(key, None))
 
     def _recv_forward(self, stage: int, micro_batch: int) -> None:
-        self._received[(stage, micro_batch)] = self._transfer("recv", "act", stage - 1, stage, micro_batch)
+        received = self._transfer("recv", "act", stage - 1, stage, micro_batch)
+        self._batch_size = received.batch_size  # passed on to the next stage
+        self._received[(stage, micro_batch)] = received
 
     def _send_backward(self, stage: int, micro_batch: int) -> None:
         grads = self._grads_in.pop((stage, micro_batch))
@@ -365,14 +385,19 @@ class StageExecutor:
     def _transfer(self, direction: str, kind: str, peer_stage: int, stage: int, micro_batch: int, *message):
         """A send (of ``message``) or receive on the activation (StructureChannel) or gradient channel to a peer stage."""
         channel = self.channels[(self.schedule.stage_rank(peer_stage), kind)]
-        what = "activation" if kind == "act" else "gradient"
-        try:
+        with naming_transfer(self.rank, stage, micro_batch, direction, "activation" if kind == "act" else "gradient",
+                             peer_stage):
             if direction == "send":
                 channel.send(*message)
                 return None
             return channel.recv()
-        except (ChannelError, TimeoutError) as error:
-            action = f"{direction} of the {what} {'to' if direction == 'send' else 'from'} stage {peer_stage}"
-            raise type(error)(
-                f"pipeline rank {self.rank}, stage {stage}, micro-batch {micro_batch}, {action}: {error}"
-            ) from error
+
+
+@contextlib.contextmanager
+def naming_transfer(rank: int, stage: int, micro_batch: int, direction: str, what: str, peer_stage: int):
+    """Channel errors and timeouts inside get the rank, stage, micro-batch and action in front of their message."""
+    try:
+        yield
+    except (ChannelError, TimeoutError) as error:
+        action = f"{direction} of the {what} {'to' if direction == 'send' else 'from'} stage {peer_stage}"
+        raise type(error)(f"pipeline rank {rank}, stage {stage}, micro-batch {micro_batch}, {action}: {error}") from error

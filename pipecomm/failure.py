@@ -1,57 +1,143 @@
-"""Failing fast: a rank whose step fails says why through the job's store, and collectives wait no longer than the pipeline's timeout."""
+"""Failing fast: a rank whose call fails publishes why through the job's store, and every collective around the pipeline stops waiting once one has."""
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import itertools
+import time
+from collections.abc import Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
-__all__: list[str] = []
+from pipecomm.transport import PeerDiedError
+
+__all__ = ["PeerFailedError"]
 
 # Every rank builds its Pipelines in the same order, so the n-th one has the same number everywhere.
 _pipeline_numbers = itertools.count()
 
+# How often a rank waiting in a collective looks for failures published by other ranks.
+POLL_SECONDS = 0.1
+# How long a finished collective may take to drop its tensors on gloo's worker thread (see Collective.wait).
+_RELEASE_SECONDS = 0.5
 
-class StepFailures:
-    """One pipeline's failure notes: ``publish`` this rank's, read the others' with ``reasons``."""
 
-    def __init__(self, global_ranks: list[int]):
-        self.global_ranks = global_ranks
-        self.prefix = f"pipecomm/pipeline/{next(_pipeline_numbers)}/failed"
+class PeerFailedError(RuntimeError):
+    """This rank's call cannot go on because another rank's failed; the message holds that rank's error."""
+
+
+class FailureNotes:
+    """The failure notes of the n-th Pipeline of every rank in the job: ``publish`` this rank's, look for the others'.
+
+    A note is a key per failed rank plus a counter, so that looking costs one store round trip. The
+    store may be gone (its host process died): then nothing is published or found, and nothing raises.
+    """
+
+    def __init__(self):
+        self.prefix = f"pipecomm/pipeline/{next(_pipeline_numbers)}"
         self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
 
-    def publish(self, global_rank: int, error: BaseException) -> None:
-        if self.store is not None:
-            self.store.set(f"{self.prefix}/{global_rank}", describe(error))
+    def publish(self, global_rank: int, text: str) -> bool:
+        """Records this rank's failure; False where the store cannot be reached."""
+        if self.store is None:
+            return False
+        try:
+            self.store.set(f"{self.prefix}/failed/{global_rank}", text)
+            self.store.add(f"{self.prefix}/failures", 1)
+        except Exception:  # noqa: BLE001 - the store's host is gone: the local error stands alone
+            return False
+        return True
+
+    def any(self) -> bool:
+        if self.store is None:
+            return False
+        try:
+            return self.store.add(f"{self.prefix}/failures", 0) > 0
+        except Exception:  # noqa: BLE001 - an unreachable store tells nothing; the wait's own bounds hold
+            return False
 
     def reasons(self, global_rank: int) -> str:
-        """What the other ranks published, e.g. 'rank 1 failed: RuntimeError: ...'; empty if none did."""
-        if self.store is None:
+        """What the other ranks published, e.g. 'rank 1 failed in step: ValueError: ...'; empty if none did."""
+        if not self.any():
             return ""
         found = []
-        for rank in self.global_ranks:
-            key = f"{self.prefix}/{rank}"
-            if rank != global_rank and self.store.check([key]):
-                found.append(f"rank {rank} failed: {self.store.get(key).decode()}")
+        try:
+            for rank in range(self.world_size):
+                key = f"{self.prefix}/failed/{rank}"
+                if rank != global_rank and self.store.check([key]):
+                    found.append(self.store.get(key).decode())
+        except Exception:  # noqa: BLE001 - report what could be read
+            pass
         return "; ".join(found)
 
 
-def describe(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
-    return text if len(text) <= 300 else text[:297] + "..."
+def describe(error: BaseException, limit: int = 4000) -> str:
+    """An error as one line for other ranks' messages: its type and text."""
+    text = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def wait_collective(work: dist.Work, group: dist.ProcessGroup | None, timeout: float, what: str) -> None:
-    """Waits for a collective: on gloo at most ``timeout`` seconds, then a TimeoutError naming ``what``.
+class Collective:
+    """An asynchronous collective of the pipeline: started at once, waited in slices that look for other ranks' failures.
 
-    On NCCL the wait only orders the GPU's streams, the host does not block, and NCCL's watchdog bounds it.
+    Waiting also makes sure gloo's worker thread has let go of the tensors before they go back to
+    Python: a worker that drops the last reference to a tensor with a Python object needs the GIL,
+    and if the interpreter is finalizing by then, the process aborts ("terminate called without an
+    active exception").
     """
-    if dist.get_backend(group) == "nccl":
-        work.wait()
-        return
-    try:
-        work.wait(datetime.timedelta(seconds=timeout))
-    except RuntimeError as error:
-        raise TimeoutError(f"{what}: failed or not done after {timeout:g} s ({error})") from error
+
+    def __init__(self, start: Callable[[], dist.Work], tensors: Sequence[torch.Tensor], group, what: str):
+        self.tensors = list(tensors)
+        self.group = group
+        self.what = what
+        self.baselines = [tensor._use_count() for tensor in self.tensors]
+        self.work = start()
+
+    def wait(self, timeout: float, notes: FailureNotes | None, global_rank: int) -> None:
+        work, self.work = self.work, None
+        if dist.get_backend(self.group) == "nccl":
+            work.wait()  # orders the streams only; NCCL's watchdog bounds it
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                # At least a millisecond: a zero timeout means none to torch.distributed.
+                work.wait(datetime.timedelta(seconds=max(0.001, min(POLL_SECONDS, deadline - time.monotonic()))))
+                break
+            except RuntimeError as error:
+                if work.is_completed():  # the collective itself failed: gloo lost a peer
+                    raise _peer_error(self.what, error, notes, global_rank) from error
+                reasons = notes.reasons(global_rank) if notes is not None else ""
+                if reasons or time.monotonic() >= deadline:
+                    _abandon(self.tensors)
+                    if reasons:
+                        raise PeerFailedError(f"{self.what}: {reasons}") from None
+                    raise TimeoutError(f"{self.what}: not done after {timeout:g} s") from None
+        del work
+        self._release()
+
+    def _release(self) -> None:
+        give_up = time.monotonic() + _RELEASE_SECONDS
+        for tensor, baseline in zip(self.tensors, self.baselines):
+            while tensor._use_count() > baseline and time.monotonic() < give_up:
+                time.sleep(0.0001)
+
+
+def _abandon(tensors: Sequence[torch.Tensor]) -> None:
+    """Keeps the tensors of a collective left running alive for good: the gloo worker that ends it, maybe while the
+    interpreter finalizes, then never drops the last reference to a Python object (which would need the GIL)."""
+    for tensor in tensors:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(tensor))
+
+
+def _peer_error(what: str, error: RuntimeError, notes: FailureNotes | None, global_rank: int) -> Exception:
+    reasons = notes.reasons(global_rank) if notes is not None else ""
+    if reasons:
+        return PeerFailedError(f"{what}: {reasons}")
+    text = " ".join(str(error).split())
+    if "closed by peer" in text or "Connection reset" in text:
+        return PeerDiedError(f"{what}: a process of the collective died ({text})")
+    return RuntimeError(f"{what}: failed: {text}")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecomm.executor import GradientSink
-from pipecomm.failure import wait_collective
+from pipecomm.failure import Collective
 
 __all__: list[str] = []
 
@@ -42,19 +42,21 @@ class SharedParameters:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
-    def synchronize_values(self) -> None:
+    def synchronize_values(self, wait: Callable[[Collective], None]) -> None:
         """Every holder starts from the value of the lowest stage that holds the parameter."""
         for param, holders, group in self.entries:
-            dist.broadcast(param.data, src=holders[0], group=group)
+            data = param.data
+            wait(Collective(lambda: dist.broadcast(data, src=holders[0], group=group, async_op=True),
+                            [data], group, f"the broadcast of a shared parameter among ranks {holders}"))
 
-    def reduce_grads(self, sink_for: Callable[[nn.Parameter], GradientSink], timeout: float) -> None:
+    def reduce_grads(self, sink_for: Callable[[nn.Parameter], GradientSink], wait: Callable[[Collective], None]) -> None:
         """Sums the gradients of the shared parameters that require grad (every holder freezes them alike)."""
         for param, holders, group in self.entries:
             if not param.requires_grad:
                 continue
             grad = _grad_or_zeros(sink_for(param), param)
-            work = dist.all_reduce(grad, group=group, async_op=True)
-            wait_collective(work, group, timeout, f"the all-reduce of a shared parameter's gradient among ranks {holders}")
+            wait(Collective(lambda: dist.all_reduce(grad, group=group, async_op=True), [grad], group,
+                            f"the all-reduce of a shared parameter's gradient among ranks {holders}"))
 
 
 class DataParallelGrads:
@@ -64,10 +66,9 @@ class DataParallelGrads:
     the rest of the pipeline's flush; ``finish`` waits for them at the end of the step.
     """
 
-    def __init__(self, sinks: dict[int, GradientSink], group: dist.ProcessGroup, timeout: float):
+    def __init__(self, sinks: dict[int, GradientSink], group: dist.ProcessGroup):
         self.sinks = sinks
         self.group = group
-        self.timeout = timeout
         self.size = dist.get_world_size(group)
         holders: dict[int, list[int]] = {}
         for stage, sink in sinks.items():
@@ -77,20 +78,19 @@ class DataParallelGrads:
         self._own = {stage: [p for p in sink.params if len(holders[id(p)]) == 1] for stage, sink in sinks.items()}
         self._late = list({id(p): (stage, p) for stage, sink in sinks.items() for p in sink.params
                            if len(holders[id(p)]) > 1}.values())
-        self._in_flight: list[tuple[dist.Work, torch.Tensor, int]] = []
+        self._in_flight: list[tuple[Collective, torch.Tensor]] = []
 
     def start(self, stage: int) -> None:
         for param in self._own[stage]:
             self._reduce(stage, param)
 
-    def finish(self) -> None:
+    def finish(self, wait: Callable[[Collective], None]) -> None:
         for stage, param in self._late:
             self._reduce(stage, param)
-        grads = []
-        for work, grad, stage in self._in_flight:
-            wait_collective(work, self.group, self.timeout, f"the data-parallel all-reduce of stage {stage}'s gradients")
-            grads.append(grad)
-        self._in_flight = []
+        in_flight, self._in_flight = self._in_flight, []
+        for collective, _ in in_flight:
+            wait(collective)
+        grads = [grad for _, grad in in_flight]
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.size)
 
@@ -98,7 +98,9 @@ class DataParallelGrads:
         if not param.requires_grad:
             return  # frozen: no gradient, on every replica alike
         grad = _grad_or_zeros(self.sinks[stage], param)
-        self._in_flight.append((dist.all_reduce(grad, group=self.group, async_op=True), grad, stage))
+        collective = Collective(lambda: dist.all_reduce(grad, group=self.group, async_op=True), [grad], self.group,
+                                f"the data-parallel all-reduce of stage {stage}'s gradients")
+        self._in_flight.append((collective, grad))
 
 
 def _grad_or_zeros(sink: GradientSink, param: nn.Parameter) -> torch.Tensor:

@@ -3,41 +3,55 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
 from pipecomm import boundary
 
-__all__ = ["join", "split"]
+__all__ = ["Batch", "batch_size", "join", "split"]
 
 
 def split(batch: Any, micro_batches: int, what: str, device: torch.device | None = None, *,
           uneven: bool = False) -> list:
     """Splits every tensor leaf of ``batch`` into ``micro_batches`` chunks along dim 0: one ``batch``-shaped structure each.
 
-    Non-tensor leaves (and None) are passed unchanged to every micro-batch. For training the batch
-    size must be divisible by ``micro_batches``: an uneven split would weight micro-batches
-    differently in the mean loss, so it is a ValueError rather than a silent difference from
-    single-process training. With ``uneven=True`` (inference) any batch works: it makes
-    min(batch size, ``micro_batches``) chunks whose sizes differ by at most one.
+    Non-tensor leaves (and None) are passed unchanged to every micro-batch. Every tensor leaf must
+    have the same size along dim 0, the batch size. For training it must be divisible by
+    ``micro_batches``: an uneven split would weight micro-batches differently in the mean loss, so
+    it is a ValueError rather than a silent difference from single-process training. With
+    ``uneven=True`` (inference) any batch works: it makes min(batch size, ``micro_batches``) chunks
+    whose sizes differ by at most one.
     """
     flat = boundary.flatten(batch)
-    for tensor in flat.tensors:
-        if tensor.dim() == 0:
-            raise ValueError(f"{_name(batch, tensor, what)} is a 0-d tensor; micro-batches are split along dim 0")
-        if not uneven and tensor.shape[0] % micro_batches:
-            raise ValueError(f"{_name(batch, tensor, what)} has batch size {tensor.shape[0]}, which is not "
-                             f"divisible by micro_batches={micro_batches}")
-    if uneven and flat.tensors:
-        micro_batches = min(micro_batches, *(tensor.shape[0] for tensor in flat.tensors))
-        if micro_batches == 0:
-            raise ValueError(f"{what}: the batch is empty")
+    size = batch_size(batch, what)
+    if size is not None and not uneven and size % micro_batches:
+        raise ValueError(f"{_name(batch, flat.tensors[0], what)} has batch size {size}, which is not divisible by "
+                         f"micro_batches={micro_batches}")
+    if uneven and size is not None:
+        if size == 0:
+            raise ValueError(f"{what or 'inputs'}: the batch is empty")
+        micro_batches = min(micro_batches, size)
     if device is not None:
         flat = flat._replace(tensors=[tensor.to(device, non_blocking=True) for tensor in flat.tensors])
     chunks = [tensor.tensor_split(micro_batches, dim=0) for tensor in flat.tensors]
     return [boundary.unflatten([parts[index] for parts in chunks], flat.layout) for index in range(micro_batches)]
+
+
+def batch_size(batch: Any, what: str) -> int | None:
+    """The size along dim 0 that every tensor leaf of ``batch`` shares (None without tensors); a ValueError if they differ."""
+    size = first = None
+    for tensor in boundary.flatten(batch).tensors:
+        if tensor.dim() == 0:
+            raise ValueError(f"{_name(batch, tensor, what)} is a 0-d tensor; micro-batches are split along dim 0")
+        if size is None:
+            size, first = tensor.shape[0], tensor
+        elif tensor.shape[0] != size:
+            raise ValueError(f"{_name(batch, tensor, what)} has batch size {tensor.shape[0]} but "
+                             f"{_name(batch, first, what)} has {size}; every tensor of a batch is split into "
+                             "micro-batches along dim 0, so their sizes there must agree")
+    return size
 
 
 def join(outputs: Sequence[Any]) -> Any:
@@ -60,6 +74,13 @@ def join(outputs: Sequence[Any]) -> Any:
 
 
 def _name(batch: Any, tensor: torch.Tensor, what: str) -> str:
-    """``what`` and the key path of a tensor leaf of ``batch``, e.g. inputs[0] or kwargs['attention_mask']."""
+    """``what`` and the key path of a tensor leaf of ``batch``, e.g. target[0] or (for a ``Batch``) kwargs['attention_mask']."""
     path = next(path for path, leaf in pytree.tree_flatten_with_path(batch)[0] if leaf is tensor)
-    return what + pytree.keystr(path)
+    return (what + pytree.keystr(path)).lstrip(".")
+
+
+class Batch(NamedTuple):
+    """The first stage's arguments: named so that errors say ``inputs[0]`` or ``kwargs['mask']``."""
+
+    inputs: tuple
+    kwargs: dict

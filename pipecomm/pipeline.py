@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import json
 import math
+import sys
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -13,10 +17,12 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecomm import boundary, microbatch, transport
+from pipecomm.capture import CapturedStage
 from pipecomm.device_timing import DeviceTimeline
-from pipecomm.executor import GradientSink, StageExecutor
-from pipecomm.failure import StepFailures, describe, wait_collective
+from pipecomm.executor import GradientSink, StageExecutor, naming_transfer
+from pipecomm.failure import Collective, FailureNotes, PeerFailedError, describe
 from pipecomm.grad_sync import DataParallelGrads, SharedParameters
+from pipecomm.partition import StageModule
 from pipecomm.schedule import SCHEDULES, Schedule, make_schedule, validate
 from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
 from pipecomm.transport import ChannelError
@@ -49,6 +55,17 @@ class Pipeline:
     step and replays them, for small models bound by kernel launches; shapes must then stay fixed
     (gpipe, 1f1b and interleaved-1f1b). ``device_timing=True`` times compute actions with CUDA
     events, so that ``bubble_fraction()`` reports the GPU's bubble.
+
+    **Failures.** If a call fails on one rank (a bad batch, an error in a stage or the loss, a dead
+    peer), that rank publishes its error through the job's store and closes its channels; every
+    other rank's call then raises within seconds, wherever it waits (a channel, the loss or result
+    broadcast, a gradient all-reduce, the start of its next call): a ``PeerFailedError`` whose
+    message holds the failed rank's error, or a ``PeerDiedError`` if that process died without a
+    word. Afterwards every rank's Pipeline refuses further calls; build a new one.
+
+    **Threads.** Pipelines are not thread-safe: on one process, calls of Pipelines (``step``,
+    ``forward``, ``clip_grad_norm_``, ``trace``) must not overlap, since their collectives would
+    interleave on the process groups. An overlapping call raises and fails its Pipeline, on every rank.
     """
 
     def __init__(
@@ -89,7 +106,7 @@ class Pipeline:
                 raise ValueError(f"Pipeline: {flag}=True needs stages on a CUDA device, not {self.device}")
         self._sinks = {s: GradientSink(list(self.modules[s].parameters()), main_grad) for s in self.stages}
         self._data_parallel = (
-            DataParallelGrads(self._sinks, data_group, timeout)
+            DataParallelGrads(self._sinks, data_group)
             if data_group is not None and dist.get_world_size(data_group) > 1
             else None
         )
@@ -110,10 +127,12 @@ class Pipeline:
             if dist.is_initialized()
             else None
         )
-        if self._shared:
-            self._shared.synchronize_values()
-        self._failures = StepFailures([self._global_rank(rank) for rank in range(self.num_ranks)])
+        self._notes = FailureNotes()
         self._failed: str | None = None
+        self._closed = False
+        if self._shared:
+            self._shared.synchronize_values(self._wait)
+        _live.add(self)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for stage in self.stages:
@@ -124,28 +143,31 @@ class Pipeline:
 
         ``inputs`` and ``kwargs`` (e.g. ``attention_mask=``) are the first stage's positional and keyword
         arguments, ``target`` (a tuple: several) the arguments of ``loss_fn`` after the output; any of
-        them may be pytrees, whose tensors are split along dim 0 into the micro-batches.
-        If it fails on one rank, that rank closes its channels, so that its peers fail at once instead of
-        waiting out their timeouts, and their errors name it and its error. The Pipeline is then closed.
+        them may be pytrees, whose tensors are split along dim 0 into the micro-batches (every tensor
+        of the inputs and the targets must have the same batch size there). A failure on any rank,
+        bad arguments included, fails the call on every rank (see the class docstring).
         """
-        self._check_usable("step")
-        split_inputs = split_targets = None
-        if 0 in self.stages:
-            if not inputs and not kwargs:
-                raise ValueError("step: the first stage needs the batch inputs")
-            split_inputs = list(zip(microbatch.split(inputs, self.micro_batches, "inputs", self.device),
-                                    microbatch.split(kwargs, self.micro_batches, "kwargs", self.device)))
-        if self.num_stages - 1 in self.stages:
-            if target is None:
-                raise ValueError("step: the last stage needs target=")
-            targets = target if isinstance(target, tuple) else (target,)
-            split_targets = microbatch.split(targets, self.micro_batches, "target", self.device)
-        with self._failing_fast():
-            loss = self._executor.run(split_inputs, split_targets)
+        with self._call("step"):
+            split_inputs = split_targets = batch = target_batch = None
+            if 0 in self.stages:
+                if not inputs and not kwargs:
+                    raise ValueError("step: the first stage needs the batch inputs")
+                batch_inputs = microbatch.Batch(inputs, kwargs)
+                batch = microbatch.batch_size(batch_inputs, "")
+                split_inputs = microbatch.split(batch_inputs, self.micro_batches, "", self.device)
+            if self.num_stages - 1 in self.stages:
+                if target is None:
+                    raise ValueError("step: the last stage needs target=")
+                targets = target if isinstance(target, tuple) else (target,)
+                target_batch = microbatch.batch_size(targets, "target")
+                if batch is not None and target_batch is not None and target_batch != batch:
+                    raise ValueError(f"step: target has batch size {target_batch} but the inputs have {batch}")
+                split_targets = microbatch.split(targets, self.micro_batches, "target", self.device)
+            loss = self._executor.run(split_inputs, split_targets, batch, target_batch)
             if self._data_parallel:
-                self._data_parallel.finish()
+                self._data_parallel.finish(self._wait)
             if self._shared:
-                self._shared.reduce_grads(self._sink_of, self.timeout)
+                self._shared.reduce_grads(self._sink_of, self._wait)
             if self.num_ranks == 1:
                 return loss
             wire = self._wire_device()
@@ -161,13 +183,13 @@ class Pipeline:
         need be; only the first stage's rank needs the inputs. The result has the structure the model
         returns, each tensor leaf concatenated over the micro-batches along dim 0 (0-d tensors stacked);
         non-tensor leaves must be equal across micro-batches. With ``broadcast_result=True`` every rank
-        of the pipeline gets it (autoregressive decoding). A failure closes the Pipeline as in ``step``.
+        of the pipeline gets it (autoregressive decoding). Failures behave as in ``step``.
         """
-        self._check_usable("forward")
-        split_inputs = None
-        if 0 in self.stages:
-            split_inputs = microbatch.split((inputs, kwargs), self.micro_batches, "inputs", self.device, uneven=True)
-        with self._failing_fast():
+        with self._call("forward"):
+            split_inputs = None
+            if 0 in self.stages:
+                split_inputs = microbatch.split(microbatch.Batch(inputs, kwargs), self.micro_batches, "",
+                                                self.device, uneven=True)
             return self._forward(split_inputs, broadcast_result)
 
     def _forward(self, split_inputs: list | None, broadcast_result: bool):
@@ -180,15 +202,17 @@ class Pipeline:
                 if stage == 0:
                     args, kwargs = split_inputs[micro_batch]
                 else:
-                    received = self._channels[(self.schedule.stage_rank(stage - 1), "act")].recv()
+                    with naming_transfer(self.rank, stage, micro_batch, "recv", "activation", stage - 1):
+                        received = self._channels[(self.schedule.stage_rank(stage - 1), "act")].recv()
                     micro_batches = received.micro_batches
                     args, kwargs = boundary.as_arguments(received.structure), {}
                 output = self.modules[stage](*args, **kwargs)
                 if stage == self.num_stages - 1:
                     outputs.append(output)
                 else:
-                    channel = self._channels[(self.schedule.stage_rank(stage + 1), "act")]
-                    channel.send(boundary.flatten(output), micro_batches)
+                    with naming_transfer(self.rank, stage, micro_batch, "send", "activation", stage + 1):
+                        channel = self._channels[(self.schedule.stage_rank(stage + 1), "act")]
+                        channel.send(boundary.flatten(output), micro_batches)
             micro_batch += 1
         result = microbatch.join(outputs) if outputs else None
         if broadcast_result and self.num_ranks > 1:
@@ -199,24 +223,25 @@ class Pipeline:
         """Clips every stage's gradients by the global norm across the whole pipeline; returns that norm."""
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"clip_grad_norm_: norm_type must be 2 or inf, not {norm_type}")
-        grads = [g for sink in self._sinks.values() for p in sink.params if (g := sink.target(p)) is not None]
-        device = self._wire_device()
-        if norm_type == math.inf:
-            local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros(())
-            op = dist.ReduceOp.MAX
-        else:
-            local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-            op = dist.ReduceOp.SUM
-        total = local.to(device)
-        if self.num_ranks > 1:
-            work = dist.all_reduce(total, op=op, group=self.group, async_op=True)
-            wait_collective(work, self.group, self.timeout,
-                            f"pipeline rank {self.rank}: clip_grad_norm_'s all-reduce of the gradient norm")
-        norm = total if norm_type == math.inf else total.sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, scale.to(grads[0].device))
-        return norm
+        with self._call("clip_grad_norm_"):
+            grads = [g for sink in self._sinks.values() for p in sink.params if (g := sink.target(p)) is not None]
+            device = self._wire_device()
+            if norm_type == math.inf:
+                local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros(())
+                op = dist.ReduceOp.MAX
+            else:
+                local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+                op = dist.ReduceOp.SUM
+            total = local.to(device)
+            if self.num_ranks > 1:
+                self._wait(Collective(lambda: dist.all_reduce(total, op=op, group=self.group, async_op=True),
+                                      [total], self.group,
+                                      f"pipeline rank {self.rank}: clip_grad_norm_'s all-reduce of the gradient norm"))
+            norm = total if norm_type == math.inf else total.sqrt()
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            if grads:
+                torch._foreach_mul_(grads, scale.to(grads[0].device))
+            return norm
 
     def bubble_fraction(self) -> float:
         """This rank's idle share of the last step: 1 - time in compute actions / the step's span.
@@ -250,7 +275,8 @@ class Pipeline:
             timeline = [(start, end, str(action), action.kind) for start, end, action in executor.timeline]
         gathered = [None] * self.num_ranks if self.rank == 0 else None
         if self.num_ranks > 1:
-            dist.gather_object(timeline, gathered, dst=self._global_rank(0), group=self.group)
+            with self._call("trace"):
+                dist.gather_object(timeline, gathered, dst=self._global_rank(0), group=self.group)
         else:
             gathered = [timeline]
         if self.rank != 0:
@@ -294,6 +320,11 @@ class Pipeline:
             raise ValueError(f"load_state_dict: keys of no stage on rank {self.rank}: {sorted(unexpected)}")
 
     def close(self) -> None:
+        """Closes the channels; idempotent. Pipelines left open are closed when the interpreter exits."""
+        if self._closed:
+            return
+        self._closed = True
+        _live.discard(self)
         self._undo_deferral()
         for channel in set(self._channels.values()):
             channel.close()
@@ -302,27 +333,67 @@ class Pipeline:
 
     def _check_usable(self, action: str) -> None:
         if self._failed is not None:
-            raise RuntimeError(f"Pipeline rank {self.rank}: cannot {action}: its channels were closed when an "
-                               f"earlier call failed ({self._failed}); build a new Pipeline")
+            raise RuntimeError(f"Pipeline rank {self.rank}: cannot {action}: an earlier call failed and closed it "
+                               f"({self._failed}); build a new Pipeline")
+        if self._closed:
+            raise RuntimeError(f"Pipeline rank {self.rank}: cannot {action}: it was closed")
 
     @contextlib.contextmanager
-    def _failing_fast(self):
-        """On a failure: the peers' reasons added to a communication error, this rank's published, channels closed."""
+    def _call(self, action: str):
+        """One public call: refused after a failure or close, refused while another thread is in a Pipeline call,
+        and failing fast."""
+        self._check_usable(action)
+        busy = _calls.enter(self, action)
+        try:
+            with self._failing_fast(action):
+                if busy:
+                    raise RuntimeError(f"Pipeline rank {self.rank}: {action} called from thread "
+                                       f"{threading.current_thread().name!r} while {busy}; Pipelines are not "
+                                       "thread-safe: calls on one process must not overlap")
+                reasons = self._notes.reasons(self._global_rank(self.rank))
+                if reasons:
+                    raise PeerFailedError(f"pipeline rank {self.rank}: cannot {action}: {reasons}")
+                yield
+        finally:
+            if not busy:
+                _calls.leave()
+
+    @contextlib.contextmanager
+    def _failing_fast(self, action: str):
+        """On a failure: this rank's cause published, or the cause another rank published named instead of a
+        symptom; channels aborted so that peers waiting on them fail at once; the Pipeline closed."""
         try:
             yield
         except BaseException as error:
-            global_rank = self._global_rank(self.rank)
-            reasons = self._failures.reasons(global_rank)
-            explained = error
-            if reasons and isinstance(error, (ChannelError, TimeoutError)):
-                explained = type(error)(f"{error} ({reasons})")
-            self._failed = describe(explained)
-            self._failures.publish(global_rank, explained)
-            with contextlib.suppress(Exception):  # the step's own error is the one to report
-                self.close()
+            explained = self._fail(action, error)
             if explained is error:
                 raise
             raise explained from error
+
+    def _fail(self, action: str, error: BaseException) -> BaseException:
+        """Publishes and aborts; returns the error to raise: ``error``, or a PeerFailedError naming the cause."""
+        global_rank = self._global_rank(self.rank)
+        explained = error
+        symptom = isinstance(error, (ChannelError, TimeoutError, PeerFailedError))
+        reasons = self._notes.reasons(global_rank) if symptom and not isinstance(error, PeerFailedError) else ""
+        if reasons:
+            explained = PeerFailedError(f"{error} ({reasons})")
+        if not reasons and not isinstance(error, PeerFailedError):
+            self._notes.publish(global_rank, f"rank {global_rank} (pipeline rank {self.rank}, stages {self.stages}) "
+                                             f"failed in {action}: {describe(error)}")
+        self._failed = describe(explained, limit=500)
+        self._abort(f"rank {global_rank} failed in {action}: {describe(explained)}")
+        return explained
+
+    def _abort(self, reason: str) -> None:
+        """Closes everything at once, telling each peer why; never raises (peers may be gone)."""
+        self._closed = True
+        _live.discard(self)
+        with contextlib.suppress(Exception):
+            self._undo_deferral()
+        for channel in set(self._channels.values()):
+            with contextlib.suppress(Exception):
+                channel.abort(reason)
 
     def _connect(self, backend: str, timeout: float) -> dict[tuple[int, str], object]:
         """Two channels (activations, gradients) to every neighbouring rank, opened in one global
@@ -379,11 +450,15 @@ class Pipeline:
         return boundary.unflatten(tensors, layout)
 
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
-        """From the last stage's rank to every rank of the pipeline, waiting no longer than the timeout."""
+        """From the last stage's rank to every rank of the pipeline."""
         source = self._global_rank(self._last_rank)
-        work = dist.broadcast(tensor, src=source, group=self.group, async_op=True)
-        wait_collective(work, self.group, self.timeout,
-                        f"pipeline rank {self.rank}: the broadcast of {what} from the last stage (rank {source})")
+        self._wait(Collective(lambda: dist.broadcast(tensor, src=source, group=self.group, async_op=True), [tensor],
+                              self.group, f"pipeline rank {self.rank}: the broadcast of {what} from the last stage "
+                                          f"(rank {source})"))
+
+    def _wait(self, collective: Collective) -> None:
+        """Waits for one of this Pipeline's collectives: at most its timeout, and not once another rank failed."""
+        collective.wait(self.timeout, self._notes, self._global_rank(self.rank))
 
 
 class _Loopback:
@@ -401,6 +476,52 @@ class _Loopback:
     def close(self) -> None:
         self._messages.clear()
 
+    def abort(self, reason: str) -> None:
+        self.close()
+
+
+class _CallGuard:
+    """Which Pipeline call this process is in, so that an overlapping one from another thread is refused."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._inside: str = ""
+
+    def enter(self, pipe: Pipeline, action: str) -> str:
+        """Empty if this call may go ahead; otherwise the call it overlaps."""
+        if not self._lock.acquire(blocking=False):
+            return self._inside or "another Pipeline call is running"
+        self._inside = f"thread {threading.current_thread().name!r} is in {action} of the Pipeline of rank {pipe.rank}"
+        return ""
+
+    def leave(self) -> None:
+        self._inside = ""
+        self._lock.release()
+
+
+_calls = _CallGuard()
+# Pipelines not closed yet: closed at exit, and told of an uncaught exception so that their peers hear of it.
+_live: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+
+
+def _close_live_pipelines() -> None:
+    for pipe in list(_live):
+        with contextlib.suppress(Exception):
+            pipe.close()
+
+
+def _fail_live_pipelines(exc_type, exc_value, traceback) -> None:
+    """An uncaught exception ends this process: its Pipelines fail first, so that their peers raise with its cause."""
+    for pipe in list(_live):
+        with contextlib.suppress(BaseException):
+            pipe._fail("the program (uncaught exception)", exc_value)
+    _previous_excepthook(exc_type, exc_value, traceback)
+
+
+atexit.register(_close_live_pipelines)
+_previous_excepthook = sys.excepthook
+sys.excepthook = _fail_live_pipelines
+
 
 def _check_configuration(modules, stages, num_stages, num_ranks, rank, schedule) -> None:
     """Every misconfiguration is a ValueError here, before any communication."""
@@ -413,9 +534,13 @@ def _check_configuration(modules, stages, num_stages, num_ranks, rank, schedule)
             f"Pipeline: num_stages={num_stages} must equal the pipeline group size ({num_ranks}) times the "
             f"stages per rank ({len(stages)})"
         )
-    for stage in stages:
+    for module, stage in zip(modules, stages):
         if not 0 <= stage < num_stages:
             raise ValueError(f"Pipeline: stage {stage} is out of range for num_stages={num_stages}")
+        if isinstance(module, (StageModule, CapturedStage)) and (module.stage_index, module.num_stages) != (stage, num_stages):
+            raise ValueError(f"Pipeline: the module given as stage {stage} of {num_stages} is stage "
+                             f"{module.stage_index} of {module.num_stages} as pipecomm.split made it; split the model "
+                             "into as many stages as the Pipeline has, and pass each rank its own")
     expected = [rank + chunk * num_ranks for chunk in range(len(stages))]
     if sorted(stages) != expected:
         raise ValueError(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import os
 import pickle
 import socket
+import threading
 import uuid
 from collections.abc import Sequence
 
@@ -34,6 +36,16 @@ ProtocolError = _C.ProtocolError
 DEFAULT_TIMEOUT = 300.0
 BACKENDS = ("auto", "ipc", "shm", "dist")
 
+# Every shared-memory segment of a channel (its rings' control and data generations, the IPC channel's
+# host and post rings) is named from this prefix.
+_SEGMENT_PREFIX = "/pipecomm."
+# How long close() and abort() wait for a call in another thread to leave before leaving the release to it.
+_SHUTDOWN_WAIT_SECONDS = 1.0
+_ABORT_MARK = -1  # in a dist header's first field, where a message has its metadata's length
+_ABORT_REASON_BYTES = 4096
+# How gloo words a connection the peer's process closed, by dying or exiting.
+_PEER_GONE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
 # Per (low rank, high rank) pair, how many channels this process has opened, so that both ends of
 # the n-th connect() between two ranks agree on its store keys without talking first.
 _connections_per_pair: collections.Counter = collections.Counter()
@@ -56,7 +68,8 @@ def connect(
     ``device`` is where this rank's tensors live: by default the current CUDA device when the
     group's backend is NCCL, else the CPU. ``backend="auto"`` picks CUDA IPC for GPUs on one host,
     shared memory for CPU tensors on one host and torch.distributed otherwise; ``"ipc"``,
-    ``"shm"`` and ``"dist"`` force one. Every wait raises after ``timeout`` seconds.
+    ``"shm"`` and ``"dist"`` force one. Every wait raises after ``timeout`` seconds. At most
+    ``num_slots`` messages go unreceived each way (over NCCL, any number): a send waits for room.
     """
     if backend not in BACKENDS:
         raise ValueError(f"connect: backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
@@ -84,11 +97,13 @@ def connect(
     if backend == "shm" and device.type != "cpu":
         raise ValueError(f"connect: backend 'shm' carries CPU tensors, not {device}")
     if backend == "dist":
-        channel: Channel = DistChannel(rank, peer_rank, device, timeout, group)
-    elif backend == "shm":
-        channel = _connect_shm(store, rank, peer_rank, device, timeout, num_slots, slot_bytes)
+        channel: Channel = DistChannel(rank, peer_rank, device, timeout, group, store.number, num_slots)
     else:
-        channel = _connect_ipc(store, rank, peer_rank, device, timeout, num_slots, slot_bytes)
+        _sweep_stale_segments()
+        if backend == "shm":
+            channel = _connect_shm(store, rank, peer_rank, device, timeout, num_slots, slot_bytes)
+        else:
+            channel = _connect_ipc(store, rank, peer_rank, device, timeout, num_slots, slot_bytes)
     channel.initial_slot_bytes = slot_bytes
     return channel
 
@@ -96,7 +111,14 @@ def connect(
 def _segment_names(store: _Rendezvous, rank: int, peer_rank: int) -> tuple[str, str]:
     """The incoming and outgoing rings' shared-memory names, unique to this pair and connection."""
     token = store.token()
-    return f"/pipecomm.{token}.{peer_rank}to{rank}", f"/pipecomm.{token}.{rank}to{peer_rank}"
+    return f"{_SEGMENT_PREFIX}{token}.{peer_rank}to{rank}", f"{_SEGMENT_PREFIX}{token}.{rank}to{peer_rank}"
+
+
+def _sweep_stale_segments() -> None:
+    """Unlinks the segments of channels whose creating process died before both ends had mapped them
+    (a crash while slots were growing leaves some); live processes' segments stay."""
+    with contextlib.suppress(ChannelError, ValueError):  # e.g. no /dev/shm: nothing of ours is there either
+        _C.sweep_stale_segments(_SEGMENT_PREFIX)
 
 
 def _connect_shm(store, rank, peer_rank, device, timeout, num_slots, slot_bytes) -> Channel:
@@ -118,21 +140,38 @@ def _connect_ipc(store, rank, peer_rank, device, timeout, num_slots, slot_bytes)
 class Handle:
     """An operation in flight; ``wait()`` returns its result (the received tuple, or None)."""
 
-    def __init__(self, complete):
-        self._complete = complete
-        self._done = False
+    def __init__(self, complete=None, out=None):
+        self._complete = complete  # settles this handle; None: done already
+        self._out = out  # where a receive puts its message
+        self._done = complete is None
         self._result = None
+        self._error: BaseException | None = None
 
     def wait(self):
         if not self._done:
-            self._result = self._complete()
-            self._done = True
-            self._complete = None
+            self._complete(self)
+        if self._error is not None:
+            raise self._error
         return self._result
+
+    def _settle(self, result=None, error: BaseException | None = None) -> None:
+        self._result = result
+        self._error = error
+        self._done = True
+        self._complete = None
 
 
 class Channel:
-    """Both directions between this rank and one peer. Messages arrive in the order they were sent."""
+    """Both directions between this rank and one peer. Messages arrive in the order they were sent.
+
+    Not thread-safe: a channel takes one call at a time. A call (send, recv, shrink, the async
+    variants and their handles' ``wait``) made while another thread is inside one raises
+    ProtocolError at once and changes nothing; give each thread its own channel instead.
+    ``close`` and ``abort`` may come from any thread at any time: a call in progress in another
+    thread then raises ProtocolError (over shared memory and CUDA IPC at once; over
+    torch.distributed once its wait ends, which gloo cannot cut short: when the peer sends, dies or
+    times out), and whichever of the two threads is last releases the channel.
+    """
 
     backend: str
     initial_slot_bytes: int = 1 << 20  # what connect() was given; shrink()'s default
@@ -143,19 +182,33 @@ class Channel:
         self.device = device
         self.timeout = timeout
         self._pending_recvs: collections.deque[Handle] = collections.deque()
+        self._lock = threading.Lock()  # held by the call inside; never waited for, except by close/abort
+        self._inside: str | None = None  # that call's name, for the error of a call that overlaps it
+        self._shutdown_lock = threading.Lock()  # makes the first close or abort the only one
         self._closed = False
+        self._abort_reason: str | None = None
+        self._released = False
 
     def send(self, tensors: Sequence[torch.Tensor | None]) -> None:
-        """Sends a tuple of tensors (any dtypes and shapes; None entries kept) as one transfer."""
-        self._check_open("send")
-        self._send(list(tensors))
+        """Sends a tuple or list of tensors (any dtypes and shapes; None entries kept) as one transfer."""
+        if not isinstance(tensors, (list, tuple)):
+            self._refuse_message(tensors)
+        self._enter("send")
+        try:
+            self._send(tensors)
+        finally:
+            self._leave()
 
     def recv(self, out: Sequence[torch.Tensor | None] | None = None) -> tuple[torch.Tensor | None, ...]:
         """Receives the next message; into ``out`` if given, which must match it exactly."""
-        self._check_open("recv")
-        while self._pending_recvs:
-            self._pending_recvs[0].wait()
-        return self._recv_now(out)
+        self._enter("recv")
+        try:
+            if self._pending_recvs:
+                self._receive_through(self._pending_recvs[-1])
+            message = self._recv()
+        finally:
+            self._leave()
+        return message if out is None else self._fill(out, message)
 
     def send_recv(self, tensors: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
         """Sends a message and receives the peer's, as in the 1F1B steady state."""
@@ -164,12 +217,15 @@ class Channel:
 
     def send_async(self, tensors: Sequence[torch.Tensor | None]) -> Handle:
         self.send(tensors)
-        return Handle(lambda: None)
+        return Handle()
 
     def recv_async(self, out: Sequence[torch.Tensor | None] | None = None) -> Handle:
-        self._check_open("recv")
-        handle = Handle(lambda: self._complete_pending(handle, out))
-        self._pending_recvs.append(handle)
+        self._enter("recv_async")
+        try:
+            handle = Handle(self._wait_pending, out)
+            self._pending_recvs.append(handle)
+        finally:
+            self._leave()
         return handle
 
     def send_recv_async(self, tensors: Sequence[torch.Tensor | None]) -> Handle:
@@ -186,15 +242,33 @@ class Channel:
         ones take over after those and the old memory then returns to torch's caching allocator
         (``torch.cuda.memory_allocated`` drops; ``empty_cache`` or memory pressure frees it).
         """
-        self._check_open("shrink")
         if slot_bytes is not None and slot_bytes < 1:
             raise ValueError(f"{self._describe_direction('receive')}: shrink: slot_bytes must be positive, got {slot_bytes}")
-        return self._shrink(self.initial_slot_bytes if slot_bytes is None else slot_bytes)
+        self._enter("shrink")
+        try:
+            return self._shrink(self.initial_slot_bytes if slot_bytes is None else slot_bytes)
+        finally:
+            self._leave()
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._close()
+        """Closes both directions; the peer receives what was sent before, then its receives raise ProtocolError.
+
+        Over torch.distributed it first waits for this end's sends to be received (up to the timeout).
+        A no-op on a closed channel.
+        """
+        self._shut_down(None)
+
+    def abort(self, reason: str) -> None:
+        """Closes this end at once, for a rank that failed: the peer's pending or next receive (after what
+        was sent before) raises a ChannelError that names the channel, over torch.distributed with
+        ``reason`` in it, over shared memory and CUDA IPC also its sends.
+
+        Never raises (the peer may be dead), returns within about a second (over torch.distributed at
+        once: the message carrying ``reason`` goes when the peer receives, while this process lives) and
+        is a no-op on a closed channel. Later calls on this end raise ProtocolError.
+        """
+        with contextlib.suppress(Exception):
+            self._shut_down(str(reason) or "no reason given")
 
     def __enter__(self) -> Channel:
         return self
@@ -202,39 +276,113 @@ class Channel:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _complete_pending(self, handle: Handle, out):
-        # Messages are matched to receives in posting order, whatever order the handles are waited in.
-        while self._pending_recvs[0] is not handle:
-            self._pending_recvs[0].wait()
-        self._pending_recvs.popleft()
-        return self._recv_now(out)
-
-    def _recv_now(self, out):
-        message = self._recv()
-        if out is not None:
-            _copy_into(message, out, self._describe_direction("receive"))
-            return tuple(out)
-        return message
-
-    def _check_open(self, action: str) -> None:
+    def _enter(self, action: str) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise ProtocolError(
+                f"{self._name()}: cannot {action}: another thread is inside {self._inside or 'a call'} on this "
+                f"channel; a channel takes one call at a time (give each thread its own channel)"
+            )
         if self._closed:
-            raise ProtocolError(f"pipecomm channel rank {self.rank} <-> rank {self.peer_rank}: cannot {action}, closed")
+            self._lock.release()
+            reason = f" (aborted: {self._abort_reason})" if self._abort_reason is not None else ""
+            raise ProtocolError(f"{self._name()}: cannot {action}: the channel was closed{reason}")
+        self._inside = action
+
+    def _leave(self) -> None:
+        self._inside = None
+        try:
+            if self._closed and not self._released:  # closed by another thread while this call was inside
+                with contextlib.suppress(Exception):
+                    self._release()
+        finally:
+            self._lock.release()
+
+    def _shut_down(self, abort_reason: str | None) -> None:
+        with self._shutdown_lock:
+            if self._closed:
+                return
+            self._abort_reason = abort_reason
+            self._closed = True
+        if abort_reason is not None:
+            with contextlib.suppress(Exception):  # the peer may be gone; this end is released all the same
+                self._signal_abort(abort_reason)
+        if not self._lock.acquire(blocking=False):
+            self._interrupt()
+            if not self._lock.acquire(timeout=_SHUTDOWN_WAIT_SECONDS):
+                return  # the call inside releases the channel when it leaves
+        try:
+            if not self._released:
+                self._release()
+        finally:
+            self._lock.release()
+
+    def _release(self) -> None:
+        self._released = True
+        if self._abort_reason is None:
+            self._close()
+        else:
+            self._abort(self._abort_reason)
+
+    def _wait_pending(self, handle: Handle) -> None:
+        self._enter("wait")
+        try:
+            self._receive_through(handle)
+        finally:
+            self._leave()
+
+    def _receive_through(self, handle: Handle) -> None:
+        # Messages are matched to receives in posting order, whatever order the handles are waited in.
+        while not handle._done:
+            front = self._pending_recvs.popleft()
+            try:
+                message = self._recv()
+                if front._out is not None:
+                    message = self._fill(front._out, message)
+            except BaseException as error:
+                front._settle(error=error)
+                raise
+            front._settle(message)
+
+    def _fill(self, out, message: tuple) -> tuple:
+        _copy_into(message, out, self._describe_direction("receive"))
+        return tuple(out)
+
+    def _refuse_message(self, tensors) -> None:
+        hint = " (wrap a single tensor as [tensor])" if isinstance(tensors, torch.Tensor) else ""
+        raise TypeError(
+            f"{self._describe_direction('send')}: send takes a tuple or list of tensors (None entries allowed), "
+            f"not a {type(tensors).__name__}{hint}"
+        )
+
+    def _name(self) -> str:
+        return f"pipecomm {self.backend} channel rank {self.rank} <-> rank {self.peer_rank}"
 
     def _describe_direction(self, action: str) -> str:
         source, target = (self.rank, self.peer_rank) if action == "send" else (self.peer_rank, self.rank)
         return f"pipecomm {self.backend} channel rank {source} -> rank {target}"
 
-    def _send(self, tensors: list) -> None:
+    def _send(self, tensors: Sequence) -> None:
         raise NotImplementedError
 
     def _recv(self) -> tuple:
         raise NotImplementedError
 
-    def _close(self) -> None:
-        raise NotImplementedError
-
     def _shrink(self, slot_bytes: int) -> bool:
         raise NotImplementedError
+
+    def _close(self) -> None:
+        """Releases this end in order (close)."""
+        raise NotImplementedError
+
+    def _abort(self, reason: str) -> None:
+        """Releases this end at once, the peer told why (abort); bounded in time."""
+        raise NotImplementedError
+
+    def _signal_abort(self, reason: str) -> None:
+        """Tells the peer of an abort before this end is released, while a call may still be inside."""
+
+    def _interrupt(self) -> None:
+        """Makes a call waiting in another thread raise now, where the backend can."""
 
 
 class ShmChannel(Channel):
@@ -247,9 +395,13 @@ class ShmChannel(Channel):
         self._native = native
         self._send = native.send
         self._recv = native.recv
+        self._interrupt = native.interrupt
 
     def _close(self):
         self._native.close()
+
+    def _abort(self, reason):
+        self._native.close(reason)
 
     def _shrink(self, slot_bytes):
         return self._native.shrink(slot_bytes)
@@ -260,23 +412,32 @@ class DistChannel(Channel):
 
     The receiver reads the header on the host before posting the payload's receive, so with NCCL
     each message costs a small host sync; same-host ranks use the IPC and shared-memory channels.
+    An abort sends a header of ``_ABORT_MARK`` and the reason's length, then the reason's bytes.
     """
 
     backend = "dist"
 
-    def __init__(self, rank, peer_rank, device, timeout, group):
+    def __init__(self, rank, peer_rank, device, timeout, group, tag, num_slots):
         super().__init__(rank, peer_rank, device, timeout)
         self._group = group
+        self._tag = tag  # keeps this channel's messages apart from other channels between the two ranks
         self._sent_meta: Meta | None = None
         self._received_meta: Meta | None = None
         nccl = dist.get_backend(group) == "nccl"
         self._wire_device = device if nccl else torch.device("cpu")
+        # gloo's sends report completion only to wait(): past this many messages in flight, a send waits
+        # for the oldest, which also bounds the buffers held. NCCL's is_completed() works.
+        self._window = None if nccl else num_slots
         self._send_seq = 0
         self._recv_seq = 0
         # (seq, works, buffers) of sends not known to be complete; the buffers must outlive them.
         self._in_flight: collections.deque = collections.deque()
+        self._peer_gone: str | None = None  # why the peer takes no more messages, once known
 
     def _send(self, tensors):
+        if self._peer_gone is not None:
+            raise ProtocolError(f"{self._describe_direction('send')}: cannot send message {self._send_seq}: {self._peer_gone}")
+        self._retire_sends()
         meta, present = self._outgoing(tensors)
         meta_bytes = b"" if meta == self._sent_meta else pickle.dumps(meta)
         self._sent_meta = meta
@@ -287,13 +448,25 @@ class DistChannel(Channel):
             parts.append(torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8).to(self._wire_device))
         if payload is not None:
             parts.append(payload)
-        works = [dist.isend(part, self.peer_rank, group=self._group) for part in parts]
+        works = [self._post_send(part, f"message {self._send_seq}") for part in parts]
         self._in_flight.append((self._send_seq, works, parts))
         self._send_seq += 1
+
+    def _retire_sends(self) -> None:
         while self._in_flight and all(work.is_completed() for work in self._in_flight[0][1]):
             self._in_flight.popleft()
+        while self._window is not None and len(self._in_flight) >= self._window:
+            seq, works, _ = self._in_flight.popleft()
+            for work in works:
+                self._wait(work, f"rank {self.rank} was waiting to send message {seq}", "send")
 
-    def _outgoing(self, tensors: list) -> tuple[Meta, list[torch.Tensor]]:
+    def _post_send(self, part: torch.Tensor, what: str):
+        try:
+            return dist.isend(part, self.peer_rank, group=self._group, tag=self._tag)
+        except RuntimeError as error:
+            raise self._failure(error, f"rank {self.rank} was sending {what}", "send") from error
+
+    def _outgoing(self, tensors: Sequence) -> tuple[Meta, list[torch.Tensor]]:
         """The message's metadata and its tensors as contiguous buffers on this channel's device."""
         present = []
         for index, tensor in enumerate(tensors):
@@ -314,8 +487,18 @@ class DistChannel(Channel):
 
     def _recv(self):
         seq = self._recv_seq
+        if self._peer_gone is not None:
+            raise ProtocolError(f"{self._describe_direction('receive')}: cannot receive message {seq}: {self._peer_gone}")
         header = self._receive(torch.empty(2, dtype=torch.int64, device=self._wire_device), seq, "header")
         meta_length, payload_length = header.tolist()
+        if meta_length == _ABORT_MARK:
+            reason = self._receive(torch.empty(payload_length, dtype=torch.uint8, device=self._wire_device), seq, "reason")
+            self._peer_gone = f"peer rank {self.peer_rank} aborted the channel: {_decode(reason)}"
+            raise ProtocolError(f"{self._describe_direction('receive')}: {self._peer_gone} (rank {self.rank} was waiting "
+                                f"to receive message {seq})")
+        if self._closed:
+            raise ProtocolError(f"{self._describe_direction('receive')}: rank {self.rank} stopped waiting to receive "
+                                f"message {seq}: another thread closed the channel")
         if meta_length:
             meta_buffer = self._receive(torch.empty(meta_length, dtype=torch.uint8, device=self._wire_device), seq, "metadata")
             self._received_meta = pickle.loads(meta_buffer.cpu().numpy().tobytes())
@@ -330,32 +513,66 @@ class DistChannel(Channel):
         return tuple(outs)
 
     def _receive(self, buffer, seq, part):
-        work = dist.irecv(buffer, self.peer_rank, group=self._group)
-        self._wait(work, f"rank {self.rank} waiting to receive the {part} of message {seq}", "receive")
+        what = f"rank {self.rank} was waiting to receive the {part} of message {seq}"
+        try:
+            work = dist.irecv(buffer, self.peer_rank, group=self._group, tag=self._tag)
+        except RuntimeError as error:
+            raise self._failure(error, what, "receive") from error
+        self._wait(work, what, "receive")
         return buffer
-
-    def _wait_sends(self):
-        while self._in_flight:
-            seq, works, _ = self._in_flight.popleft()
-            for work in works:
-                self._wait(work, f"rank {self.rank} waiting to send message {seq}", "send")
 
     def _wait(self, work, what, direction):
         try:
             work.wait(datetime.timedelta(seconds=self.timeout))
         except RuntimeError as error:
-            raise ChannelTimeoutError(
-                f"{self._describe_direction(direction)}: {what} failed or timed out after {self.timeout:g} s: {error}"
-            ) from error
+            raise self._failure(error, what, direction) from error
+
+    def _failure(self, error: RuntimeError, what: str, direction: str) -> ChannelError:
+        """The channel error a torch.distributed error stands for; notes a peer that is gone."""
+        text = str(error)
+        channel = self._describe_direction(direction)
+        if any(sign in text for sign in _PEER_GONE_SIGNS):
+            self._peer_gone = f"peer rank {self.peer_rank} died or closed its connection"
+            return PeerDiedError(f"{channel}: {self._peer_gone} while {what} ({text})")
+        if "timed out" in text.lower():
+            return ChannelTimeoutError(f"{channel}: timed out after {self.timeout:g} s while {what} ({text})")
+        return ChannelError(f"{channel}: failed while {what}: {text}")
 
     def _shrink(self, slot_bytes):
         return False  # no slots: every message's buffers are allocated for it
 
     def _close(self):
-        self._wait_sends()
+        while self._in_flight and self._peer_gone is None:
+            seq, works, _ = self._in_flight.popleft()
+            for work in works:
+                self._wait(work, f"rank {self.rank} was waiting to send message {seq}", "send")
+
+    def _signal_abort(self, reason):
+        if self._peer_gone is not None:
+            return  # it receives nothing more
+        data = reason.encode()[:_ABORT_REASON_BYTES]  # never empty: abort() gives a reason
+        parts = [
+            torch.tensor([_ABORT_MARK, len(data)], dtype=torch.int64).to(self._wire_device),
+            torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._wire_device),
+        ]
+        works = [dist.isend(part, self.peer_rank, group=self._group, tag=self._tag) for part in parts]
+        # Never waited for: a gloo wait that times out closes the connection every channel between the two ranks
+        # shares, and a thread left waiting at exit aborts the process. gloo's own thread sends it once the peer
+        # receives; until the process ends, the sends and their buffers stay here.
+        _unwaited_aborts.append((works, parts))
+
+    def _abort(self, reason):
+        pass  # nothing to release: _signal_abort left the sends to gloo
 
 
-def _describe(tensors: list) -> Meta:
+_unwaited_aborts: list = []
+
+
+def _decode(reason: torch.Tensor) -> str:
+    return reason.cpu().numpy().tobytes().decode(errors="replace")
+
+
+def _describe(tensors: Sequence) -> Meta:
     return tuple(None if tensor is None else (tensor.dtype, tuple(tensor.shape)) for tensor in tensors)
 
 
@@ -396,7 +613,8 @@ class _Rendezvous:
     def __init__(self, rank: int, peer_rank: int, timeout: float):
         low, high = sorted((rank, peer_rank))
         _connections_per_pair[low, high] += 1
-        self.prefix = f"pipecomm/channel/{low}-{high}/{_connections_per_pair[low, high]}"
+        self.number = _connections_per_pair[low, high]
+        self.prefix = f"pipecomm/channel/{low}-{high}/{self.number}"
         self.rank = rank
         self.peer_rank = peer_rank
         self.is_low = rank == low

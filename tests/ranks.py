@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import os
 import queue
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -17,12 +19,18 @@ import torch.distributed as dist
 import pipecomm
 
 
-def _entry(rank: int, world_size: int, store_path: str, results, fn, args) -> None:
+def _entry(rank: int, world_size: int, store_path: str | int, results, fn, args) -> None:
     # Ranks share the machine's cores: more threads each would only make them contend.
     torch.set_num_threads(1)
     try:
-        store = dist.FileStore(store_path, world_size)
+        if isinstance(store_path, int):  # a TCPStore on this port, hosted by rank 0's process
+            store = dist.TCPStore("127.0.0.1", store_path, world_size, is_master=rank == 0,
+                                  timeout=datetime.timedelta(seconds=60))
+        else:
+            store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        # Every rank is connected before any may finish: one that exits early would break a peer's connecting.
+        dist.barrier()
         outcome = fn(rank, world_size, *args)
         results.put((rank, "ok", outcome))
     except BaseException:  # report everything, including assertion failures, to the parent
@@ -32,15 +40,17 @@ def _entry(rank: int, world_size: int, store_path: str, results, fn, args) -> No
             dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable, tmp_path: Path, *args, timeout: float = 60.0, may_exit: frozenset = frozenset()) -> list:
+def run_ranks(world_size: int, fn: Callable, tmp_path: Path, *args, timeout: float = 60.0, may_exit: frozenset = frozenset(),
+              tcp_store: bool = False) -> list:
     """Runs fn(rank, world_size, *args) on world_size spawned ranks and returns their results by rank.
 
     Ranks in ``may_exit`` are allowed to exit without a result (a simulated crash); their result is
-    their exit code.
+    their exit code. The ranks meet through a file, or with ``tcp_store`` through a TCPStore that
+    rank 0's process hosts (as torchrun's does), for tests where that process dies.
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    store_path = str(tmp_path / f"store-{os.getpid()}-{id(fn)}")
+    store_path = _free_port() if tcp_store else str(tmp_path / f"store-{os.getpid()}-{id(fn)}")
     processes = [
         context.Process(target=_entry, args=(rank, world_size, store_path, results, fn, args), daemon=True)
         for rank in range(world_size)
@@ -84,6 +94,12 @@ def _collect_exits(processes, outcomes: dict, may_exit: frozenset) -> None:
 
 
 _exit_seen: dict = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 NEEDS_CUDA_REASON = "needs a GPU and a CUDA build of pipecomm"  # conftest marks these tests `cuda`

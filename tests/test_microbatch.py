@@ -21,8 +21,12 @@ def test_every_tensor_leaf_is_split_and_other_leaves_are_shared():
 
 
 def test_training_batches_must_divide_evenly_and_errors_name_the_leaf():
-    with pytest.raises(ValueError, match=r"inputs\[1\] has batch size 7, which is not divisible by micro_batches=4"):
-        microbatch.split((torch.ones(8), torch.ones(7)), 4, "inputs")
+    with pytest.raises(ValueError, match=r"inputs\[0\] has batch size 7, which is not divisible by micro_batches=4"):
+        microbatch.split((torch.ones(7), torch.ones(7)), 4, "inputs")
+    with pytest.raises(ValueError, match=r"inputs\[1\] has batch size 4 but inputs\[0\] has 8; every tensor"):
+        microbatch.split((torch.ones(8), torch.ones(4)), 4, "inputs")
+    with pytest.raises(ValueError, match=r"^kwargs\['mask'\] has batch size 4 but inputs\[0\] has 8"):
+        microbatch.split(microbatch.Batch((torch.ones(8),), {"mask": torch.ones(4)}), 4, "")
     with pytest.raises(ValueError, match=r"kwargs\['attention_mask'\] has batch size 3"):
         microbatch.split({"attention_mask": torch.ones(3)}, 2, "kwargs")
     with pytest.raises(ValueError, match=r"target\[0\]\['y'\] is a 0-d tensor"):

@@ -333,11 +333,13 @@ def timeout_then_close(rank: int, world_size: int, backend: str, kind: str) -> s
     with transport.connect(1 - rank, backend=backend, device=rank_device(rank, kind), timeout=0.5) as channel:
         if rank == 1:
             started = time.monotonic()
-            with pytest.raises(TimeoutError) as error:
+            # A builtin TimeoutError and a ChannelError alike.
+            with pytest.raises(transport.ChannelTimeoutError) as error:
                 channel.recv()
             assert time.monotonic() - started < 10
+            assert isinstance(error.value, TimeoutError) and isinstance(error.value, transport.ChannelError)
             message = str(error.value)
-            assert "rank 0 -> rank 1" in message, message
+            assert "rank 0 -> rank 1" in message and "timed out" in message, message
         # Keep rank 0's end open until rank 1 has timed out; through the store, since a timed-out
         # gloo receive leaves the process group unusable.
         store = dist.distributed_c10d._get_default_store()
@@ -401,6 +403,11 @@ def bad_input(rank: int, world_size: int) -> str:
     with transport.connect(1 - rank, backend="shm", timeout=30) as channel:
         with pytest.raises(TypeError, match="entry 1 is a list"):
             channel.send([torch.ones(1), [1, 2]])
+        # A bare tensor is not a message of its rows.
+        with pytest.raises(TypeError, match=r"rank \d -> rank \d: send takes a tuple or list of tensors .* not a Tensor \(wrap"):
+            channel.send(torch.ones(2, 3))
+        with pytest.raises(TypeError, match="send takes a tuple or list of tensors .* not a generator"):
+            channel.send(tensor for tensor in [torch.ones(1)])
         with pytest.raises(ValueError, match=r"tensors\[0\] is on meta"):
             channel.send([torch.empty(2, device="meta")])
         # Nothing was sent by the failed calls: the next message arrives intact.

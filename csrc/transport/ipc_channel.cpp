@@ -168,17 +168,20 @@ class CachingGenerationAllocator final : public GenerationAllocator {
   std::vector<at::Tensor> held_;  // the receiver's lock (receiver_mutex_) covers every call
 };
 
+// Not thread-safe: send, recv, shrink and close must not overlap (the Python Channel enforces it; a
+// send reads the receiving side's posting state without a lock). grow() runs on the grow service
+// thread under receiver_mutex_, and interrupt() may come at any time.
 class IpcChannel {
  public:
   IpcChannel(const std::string& incoming_name, const std::string& outgoing_name, int self_rank, int peer_rank,
              int device, uint32_t num_slots, size_t slot_bytes, double timeout_s)
-      : host_receiver_(RingConfig{incoming_name, self_rank, peer_rank, num_slots, 1 << 16, timeout_s}),
-        host_sender_(RingConfig{outgoing_name, self_rank, peer_rank, num_slots, 1 << 16, timeout_s}),
+      : host_receiver_(RingConfig{incoming_name, self_rank, peer_rank, num_slots, 1 << 16, timeout_s, "ipc"}),
+        host_sender_(RingConfig{outgoing_name, self_rank, peer_rank, num_slots, 1 << 16, timeout_s, "ipc"}),
         // The data receiver sends posts: its post ring runs against its data ring.
-        post_receiver_(
-            RingConfig{outgoing_name + ".posts", self_rank, peer_rank, post_ring_slots(num_slots), 4096, timeout_s}),
-        post_sender_(
-            RingConfig{incoming_name + ".posts", self_rank, peer_rank, post_ring_slots(num_slots), 4096, timeout_s}),
+        post_receiver_(RingConfig{outgoing_name + ".posts", self_rank, peer_rank, post_ring_slots(num_slots), 4096,
+                                  timeout_s, "ipc"}),
+        post_sender_(RingConfig{incoming_name + ".posts", self_rank, peer_rank, post_ring_slots(num_slots), 4096,
+                                timeout_s, "ipc"}),
         device_(at::kCUDA, static_cast<c10::DeviceIndex>(device)),
         send_direction_("pipecomm ipc channel rank " + std::to_string(self_rank) + " -> rank " +
                         std::to_string(peer_rank)),
@@ -313,7 +316,7 @@ class IpcChannel {
         post_ahead(recv_seq_ + 1, caller_stream().stream());
       }
       recv_clock_.lap(kRecvEarlyPosts);
-      Message message = host_receiver_.recv();
+      Message message = next_host_message();
       recv_clock_.lap(kRecvNoteWait);
       bool layout_changed = false;
       if (message.tag == kTagMeta) {
@@ -321,7 +324,7 @@ class IpcChannel {
             decode(std::string(static_cast<const char*>(message.data), message.bytes), receive_direction_));
         layout_changed = true;
         host_receiver_.release(message.seq);
-        message = host_receiver_.recv();
+        message = next_host_message();
       }
       if ((message.tag != kTagData && message.tag != kTagDataDirect) || message.bytes != sizeof(DataNote)) {
         throw ProtocolError(receive_direction_ + ": host message " + std::to_string(message.seq) + " has tag " +
@@ -417,6 +420,14 @@ class IpcChannel {
 
   bool transfers_done() const { return cudaStreamQuery(stream_.stream()) == cudaSuccess; }
 
+  // Makes a send or recv waiting on the host rings in another thread raise ProtocolError at once;
+  // close() follows. The only method that may overlap another.
+  void interrupt() noexcept {
+    const std::lock_guard<std::mutex> lock(closing_);
+    host_sender_.interrupt();
+    host_receiver_.interrupt();
+  }
+
   // For a peer that died with copies still queued: the rings then leak their memory instead of
   // waiting forever for flags nobody will write.
   void abandon() {
@@ -432,8 +443,10 @@ class IpcChannel {
   // and slots, and the buffers it posted. Both waits are short, so close() stays quick.
   //
   // Posted buffers are also kept when the peer sent a message this end never received (a step that
-  // failed half-way): its copy may still be writing into one of them.
-  void close() noexcept {
+  // failed half-way): its copy may still be writing into one of them. A non-empty reason (an abort's)
+  // is quoted in the peer's error.
+  void close(const std::string& reason) noexcept {
+    const std::lock_guard<std::mutex> lock(closing_);
     constexpr auto kPatience = std::chrono::milliseconds(100);
     if (sender_ && sender_->unmap_when_done(kPatience)) {
       try {
@@ -443,7 +456,7 @@ class IpcChannel {
       }
     }
     bool unreceived = false;
-    bool peer_unmapped = false;
+    bool peer_unmapped = peer_unmapped_;
     const auto deadline = std::chrono::steady_clock::now() + kPatience;
     try {
       while (!peer_unmapped) {
@@ -466,10 +479,10 @@ class IpcChannel {
     } catch (...) {
       unreceived = true;  // closed without the note, or the ring is in error: assume the worst
     }
-    host_sender_.close();
-    host_receiver_.close();
-    post_sender_.close();
-    post_receiver_.close();
+    host_sender_.close(reason);
+    host_receiver_.close(reason);
+    post_sender_.close(reason);
+    post_receiver_.close(reason);
     // Unreleased, the pool keeps its memory for the life of the process: a posted buffer the peer may
     // still map, or still be copying into, never serves another allocation.
     posts_.clear();
@@ -492,6 +505,18 @@ class IpcChannel {
 
  private:
   c10::cuda::CUDAStream caller_stream() const { return at::cuda::getCurrentCUDAStream(device_.index()); }
+
+  // The peer's next message on the host ring. Its close note, which comes just before its rings close,
+  // is kept for this end's close; the wait goes on, so the ring reports the close (and an abort's reason).
+  Message next_host_message() {
+    Message message = host_receiver_.recv();
+    while (message.tag == kTagUnmapped) {
+      peer_unmapped_ = true;
+      host_receiver_.release(message.seq);
+      message = host_receiver_.recv();
+    }
+    return message;
+  }
 
   void wait_for_caller() {
     check_cuda(cudaEventRecord(caller_done_, caller_stream().stream()), "cudaEventRecord");
@@ -618,6 +643,7 @@ class IpcChannel {
   std::string send_direction_;
   std::string receive_direction_;
   std::mutex receiver_mutex_;
+  std::mutex closing_;  // interrupt() may come while another thread's call ends in close()
   IpcRingReceiver receiver_;
   std::optional<IpcRingSender> sender_;
   c10::cuda::CUDAStream stream_;
@@ -643,6 +669,7 @@ class IpcChannel {
   bool post_ring_open_ = true;
   bool posting_enabled_ = true;
   std::string failed_send_;  // why a send failed after its note went out; empty while none did
+  bool peer_unmapped_ = false;  // a receive met the peer's close note
   bool last_layout_repeated_ = false;  // the last message received came without a new layout
   uint64_t direct_sends_ = 0;
   uint64_t direct_recvs_ = 0;
@@ -669,7 +696,8 @@ void register_ipc_channel(py::module_& module) {
       .def("transfers_done", &IpcChannel::transfers_done)
       .def("host_phase_times", &IpcChannel::host_phase_times)
       .def("abandon", &IpcChannel::abandon)
-      .def("close", &IpcChannel::close, py::call_guard<py::gil_scoped_release>())
+      .def("interrupt", &IpcChannel::interrupt)
+      .def("close", &IpcChannel::close, py::arg("reason") = "", py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("next_send_seq", &IpcChannel::next_send_seq)
       .def_property_readonly("next_recv_seq", &IpcChannel::next_recv_seq)
       .def_property_readonly("direct_sends", &IpcChannel::direct_sends)

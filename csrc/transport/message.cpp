@@ -44,8 +44,12 @@ Entries outgoing_entries(const py::sequence& entries, const at::Device& device, 
                            std::string(py::str(entry.get_type().attr("__name__"))) + ", not a tensor");
     }
     const at::Tensor& tensor = THPVariable_Unpack(entry.ptr());
-    TORCH_CHECK_VALUE(tensor.device() == device, direction, ": tensors[", i, "] is on ", tensor.device(),
-                      ", but this channel carries tensors on ", device);
+    // pybind11's own error type: a c10::ValueError thrown through this module crashed the process with
+    // torch 2.11+cu130 (also before any channel error types were registered).
+    if (tensor.device() != device) {
+      throw py::value_error(direction + ": tensors[" + std::to_string(i) + "] is on " + tensor.device().str() +
+                            ", but this channel carries tensors on " + device.str());
+    }
     // Only a copy needs detaching: the channel reads the data, it never hands these tensors back.
     checked.emplace_back(tensor.is_contiguous() ? tensor : tensor.detach().contiguous());
   }

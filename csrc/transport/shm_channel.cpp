@@ -1,6 +1,7 @@
 // A shared-memory channel between this process and one peer: two rings, whole messages in C++.
 #include <torch/extension.h>
 
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -20,7 +21,9 @@ std::vector<MessagePart> parts_of(const std::vector<at::Tensor>& tensors) {
 
 // Owns the ring this process receives on and the peer's ring it sends into. While a send waits
 // for the peer, it keeps answering the peer's grow requests on the incoming ring, so two ranks
-// that send oversized messages to each other before receiving do not deadlock.
+// that send oversized messages to each other before receiving do not deadlock; that is also why it
+// is not thread-safe: a send would service the incoming ring under a recv in another thread. Calls
+// must not overlap (the Python Channel enforces it), except interrupt(), which may come at any time.
 class ShmChannel {
  public:
   ShmChannel(const std::string& incoming_name, const std::string& outgoing_name, int self_rank, int peer_rank,
@@ -74,9 +77,18 @@ class ShmChannel {
 
   bool shrink(size_t slot_bytes) { return receiver_.shrink(slot_bytes); }
 
-  void close() noexcept {
-    sender_.close();
-    receiver_.close();
+  // Makes a send or recv waiting in another thread raise ProtocolError at once; close() follows.
+  void interrupt() noexcept {
+    const std::lock_guard<std::mutex> lock(closing_);
+    sender_.interrupt();
+    receiver_.interrupt();
+  }
+
+  // Never waits for the peer; a non-empty reason (an abort's) is quoted in the peer's error.
+  void close(const std::string& reason) noexcept {
+    const std::lock_guard<std::mutex> lock(closing_);
+    sender_.close(reason);
+    receiver_.close(reason);
   }
 
  private:
@@ -105,6 +117,7 @@ class ShmChannel {
   std::string receive_direction_;
   MessageMeta sent_meta_;
   MessageMeta received_meta_;
+  std::mutex closing_;  // interrupt() may come while another thread's call ends in close()
 };
 
 }  // namespace
@@ -118,7 +131,8 @@ void register_shm_channel(py::module_& module) {
       .def("send", &ShmChannel::send, py::arg("entries"))
       .def("recv", &ShmChannel::recv)
       .def("shrink", &ShmChannel::shrink, py::arg("slot_bytes"))
-      .def("close", &ShmChannel::close);
+      .def("interrupt", &ShmChannel::interrupt)
+      .def("close", &ShmChannel::close, py::arg("reason") = "");
   module.def("sweep_stale_segments", &sweep_stale_segments, py::arg("prefix"),
              "Unlinks /dev/shm segments with this prefix whose creator process is gone; returns how many.");
 }

@@ -31,6 +31,8 @@ namespace pipecomm::transport {
 namespace detail {
 
 constexpr size_t kCacheLine = 64;
+// How much of an abort's reason the control block carries to the peer.
+constexpr size_t kAbortReasonBytes = 240;
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "cross-process atomics must be lock-free");
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "cross-process atomics must be lock-free");
@@ -70,6 +72,11 @@ struct alignas(kCacheLine) ControlBlock {
   std::atomic<uint32_t> sender_generation;      // data segment the sender writes into
   std::atomic<uint64_t> generation_switch_seq;  // first seq written into sender_generation
   std::atomic<uint64_t> grow_request_bytes;     // slot size the sender is blocked on, 0 if none
+  // Why each end aborted (empty: it closed in order), written before its closed flag and read after it.
+  uint32_t sender_reason_bytes;
+  uint32_t receiver_reason_bytes;
+  char sender_reason[kAbortReasonBytes];
+  char receiver_reason[kAbortReasonBytes];
 
   // Producer and consumer counters live on separate cache lines to avoid false sharing.
   alignas(kCacheLine) std::atomic<uint64_t> write_count;
@@ -87,6 +94,7 @@ namespace {
 
 using detail::ControlBlock;
 using detail::DataGeneration;
+using detail::kAbortReasonBytes;
 using detail::MappedSegment;
 using detail::PeerStatus;
 using detail::SlotHeader;
@@ -95,7 +103,7 @@ using detail::WakeWord;
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x50435352;  // "PCSR"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr uint32_t kFirstGeneration = 1;
 constexpr uint32_t kMaxSlots = 1u << 16;
 // Segment names get ".pid<pid>.gen<generation>" appended and must fit NAME_MAX.
@@ -130,8 +138,8 @@ SlotHeader& slot_header(ControlBlock* block, uint64_t seq) {
   return first[seq % block->num_slots];
 }
 
-std::string channel_label(int sender_rank, int receiver_rank) {
-  return "pipecomm shm channel rank " + std::to_string(sender_rank) + " -> rank " +
+std::string channel_label(const std::string& kind, int sender_rank, int receiver_rank) {
+  return "pipecomm " + kind + " channel rank " + std::to_string(sender_rank) + " -> rank " +
          std::to_string(receiver_rank) + ": ";
 }
 
@@ -250,6 +258,18 @@ void unlink_quietly(const std::string& name) {
   if (!name.empty()) shm_unlink(name.c_str());
 }
 
+void write_reason(char* field, uint32_t& length, const std::string& reason) noexcept {
+  const size_t bytes = std::min(reason.size(), kAbortReasonBytes);
+  std::memcpy(field, reason.data(), bytes);
+  length = static_cast<uint32_t>(bytes);
+}
+
+// What a closed peer's error adds: the reason it aborted with, if any.
+std::string abort_note(const char* field, uint32_t length) {
+  if (length == 0) return "";
+  return " (it aborted: " + std::string(field, std::min<size_t>(length, kAbortReasonBytes)) + ")";
+}
+
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -277,10 +297,11 @@ void notify(WakeWord& wake) {
   }
 }
 
-// Spins briefly, then sleeps on the futex in bounded slices so a dead or closed peer and the
-// deadline are noticed. fail() must throw.
+// Spins briefly, then sleeps on the futex in bounded slices so a dead or closed peer, an interrupt from
+// another thread of this process and the deadline are noticed. fail() must throw.
 template <typename IsReady, typename GetPeerStatus, typename Fail>
-void wait_for(WakeWord& wake, double timeout_s, IsReady&& is_ready, GetPeerStatus&& peer_status, Fail&& fail) {
+void wait_for(WakeWord& wake, double timeout_s, const std::atomic<bool>& interrupted, IsReady&& is_ready,
+              GetPeerStatus&& peer_status, Fail&& fail) {
   const auto deadline = Clock::now() + to_duration(timeout_s);
   const auto spin_until = Clock::now() + kSpinDuration;
   do {
@@ -293,6 +314,7 @@ void wait_for(WakeWord& wake, double timeout_s, IsReady&& is_ready, GetPeerStatu
   while (true) {
     const uint32_t observed = wake.sequence.load(std::memory_order_acquire);
     if (is_ready()) return;
+    if (interrupted.load(std::memory_order_acquire)) fail(WaitFailure::interrupted);
     const auto now = Clock::now();
     const bool check_liveness = now >= next_liveness_check;
     if (check_liveness) next_liveness_check = now + kWaitSlice;
@@ -461,7 +483,7 @@ size_t sweep_stale_segments(const std::string& prefix) {
 
 ShmRingReceiver::ShmRingReceiver(RingConfig config) : config_(std::move(config)), owner_pid_(getpid()) {
   validate_config(config_);
-  error_prefix_ = channel_label(config_.peer_rank, config_.self_rank);
+  error_prefix_ = channel_label(config_.kind, config_.peer_rank, config_.self_rank);
   control_name_ = segment_stem(config_.name, owner_pid_) + ".ctl";
   const size_t control_bytes = control_block_bytes(config_.num_slots);
   control_segment_ = create_segment(control_name_, control_bytes);
@@ -504,9 +526,13 @@ bool ShmRingReceiver::sender_attached() const {
 void ShmRingReceiver::wait_connected() {
   ensure_open("wait for the sender");
   wait_for(
-      control_->receiver_wake, config_.timeout_s, [&] { return sender_attached(); },
+      control_->receiver_wake, config_.timeout_s, interrupted_, [&] { return sender_attached(); },
       [](bool) { return PeerStatus::alive; },
-      [&](WaitFailure) {
+      [&](WaitFailure failure) {
+        if (failure == WaitFailure::interrupted) {
+          throw ProtocolError(error_prefix_ + "rank " + std::to_string(config_.self_rank) +
+                              " stopped waiting for the sender: another thread is closing the channel");
+        }
         throw TimeoutError(error_prefix_ + "rank " + std::to_string(config_.self_rank) + " timed out after " +
                            format_seconds(config_.timeout_s) + " s waiting for rank " +
                            std::to_string(config_.peer_rank) + " to attach to " + control_name_);
@@ -618,10 +644,14 @@ void ShmRingReceiver::raise_receive_failure(WaitFailure failure, uint64_t seq) c
   const pid_t sender_pid = control_->sender_pid.load(std::memory_order_acquire);
   switch (failure) {
     case WaitFailure::peer_closed:
-      throw ProtocolError(error_prefix_ + "peer " + peer + " closed the channel while " + self + " was" + waiting);
+      throw ProtocolError(error_prefix_ + "peer " + peer + " closed the channel" +
+                          abort_note(control_->sender_reason, control_->sender_reason_bytes) + " while " + self +
+                          " was" + waiting);
     case WaitFailure::peer_died:
       throw PeerDiedError(error_prefix_ + "peer " + peer + " (pid " + std::to_string(sender_pid) + ") died while " +
                           self + " was" + waiting);
+    case WaitFailure::interrupted:
+      throw ProtocolError(error_prefix_ + self + " stopped" + waiting + ": another thread is closing the channel");
     case WaitFailure::timeout:
       break;
   }
@@ -638,7 +668,7 @@ Message ShmRingReceiver::recv() {
   const uint64_t seq = next_recv_seq_;
   check_receivable(seq);
   wait_for(
-      control_->receiver_wake, config_.timeout_s, [&] { return message_ready(seq); },
+      control_->receiver_wake, config_.timeout_s, interrupted_, [&] { return message_ready(seq); },
       [&](bool check_liveness) { return sender_status(check_liveness); },
       [&](WaitFailure failure) { raise_receive_failure(failure, seq); });
   return take_message(seq);
@@ -688,10 +718,17 @@ bool ShmRingReceiver::shrink(size_t slot_bytes) {
   return true;
 }
 
-void ShmRingReceiver::close() noexcept {
+void ShmRingReceiver::interrupt() noexcept {
+  interrupted_.store(true, std::memory_order_release);
+  // recv() may be asleep on the futex: wake it now rather than at the end of its slice.
+  if (control_ != nullptr) notify(control_->receiver_wake);
+}
+
+void ShmRingReceiver::close(const std::string& reason) noexcept {
   if (control_ == nullptr) return;
   // A forked child (e.g. a DataLoader worker) inherits this object but must not close the parent's channel.
   if (getpid() == owner_pid_) {
+    write_reason(control_->receiver_reason, control_->receiver_reason_bytes, reason);
     control_->receiver_closed.store(1, std::memory_order_release);
     notify(control_->sender_wake);
     unlink_quietly(control_name_);
@@ -711,7 +748,7 @@ void ShmRingReceiver::close() noexcept {
 
 ShmRingSender::ShmRingSender(RingConfig config) : config_(std::move(config)), owner_pid_(getpid()) {
   validate_config(config_);
-  error_prefix_ = channel_label(config_.self_rank, config_.peer_rank);
+  error_prefix_ = channel_label(config_.kind, config_.self_rank, config_.peer_rank);
 }
 
 ShmRingSender::~ShmRingSender() { close(); }
@@ -851,10 +888,14 @@ void ShmRingSender::raise_send_failure(WaitFailure failure, uint64_t seq, const 
   const std::string waiting = " waiting to send message " + std::to_string(seq);
   switch (failure) {
     case WaitFailure::peer_closed:
-      throw ProtocolError(error_prefix_ + "peer " + peer + " closed the channel while " + self + " was" + waiting);
+      throw ProtocolError(error_prefix_ + "peer " + peer + " closed the channel" +
+                          abort_note(control_->receiver_reason, control_->receiver_reason_bytes) + " while " + self +
+                          " was" + waiting);
     case WaitFailure::peer_died:
       throw PeerDiedError(error_prefix_ + "peer " + peer + " (pid " + std::to_string(receiver_pid_) +
                           ") died while " + self + " was" + waiting);
+    case WaitFailure::interrupted:
+      throw ProtocolError(error_prefix_ + self + " stopped" + waiting + ": another thread is closing the channel");
     case WaitFailure::timeout:
       break;
   }
@@ -865,7 +906,7 @@ void ShmRingSender::raise_send_failure(WaitFailure failure, uint64_t seq, const 
 void ShmRingSender::wait_for_slot(uint64_t seq) {
   const uint32_t num_slots = config_.num_slots;
   wait_for(
-      control_->sender_wake, config_.timeout_s,
+      control_->sender_wake, config_.timeout_s, interrupted_,
       [&] {
         if (wait_hook_) wait_hook_();
         return control_->read_count.load(std::memory_order_acquire) + num_slots > seq;
@@ -883,7 +924,7 @@ void ShmRingSender::grow_slots(size_t needed_bytes, uint64_t seq) {
   control_->grow_request_bytes.store(needed_bytes, std::memory_order_release);
   notify(control_->receiver_wake);
   wait_for(
-      control_->sender_wake, config_.timeout_s,
+      control_->sender_wake, config_.timeout_s, interrupted_,
       [&] {
         if (wait_hook_) wait_hook_();
         adopt_published_generation();
@@ -949,11 +990,18 @@ bool ShmRingSender::can_send_now() const {
          control_->read_count.load(std::memory_order_acquire) + config_.num_slots > next_send_seq_;
 }
 
-void ShmRingSender::close() noexcept {
+void ShmRingSender::interrupt() noexcept {
+  interrupted_.store(true, std::memory_order_release);
+  // send() may be asleep on the futex: wake it now rather than at the end of its slice.
+  if (control_ != nullptr) notify(control_->sender_wake);
+}
+
+void ShmRingSender::close(const std::string& reason) noexcept {
   if (closed_) return;
   closed_ = true;
   // A forked child (e.g. a DataLoader worker) inherits this object but must not close the parent's channel.
   if (control_ != nullptr && getpid() == owner_pid_) {
+    write_reason(control_->sender_reason, control_->sender_reason_bytes, reason);
     control_->sender_closed.store(1, std::memory_order_release);
     notify(control_->receiver_wake);
     // If the receiver died after publishing a generation we never mapped, nobody else unlinks it.

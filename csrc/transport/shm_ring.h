@@ -3,6 +3,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <functional>
@@ -44,6 +45,7 @@ struct RingConfig {
   uint32_t num_slots = 4;
   size_t slot_bytes = size_t{1} << 20;
   double timeout_s = 300.0;
+  std::string kind = "shm";  // errors name the channel "pipecomm <kind> channel rank <a> -> rank <b>"
 };
 
 struct MessagePart {
@@ -77,7 +79,7 @@ namespace detail {
 
 struct ControlBlock;
 
-enum class WaitFailure { timeout, peer_closed, peer_died };
+enum class WaitFailure { timeout, peer_closed, peer_died, interrupted };
 enum class PeerStatus { alive, closed, died };
 
 // A MAP_SHARED mapping shared by every user in this process of the same shm object, so both ends
@@ -111,7 +113,8 @@ struct DataGeneration {
 
 }  // namespace detail
 
-// Each end is used by one thread at a time; the two ends may live in different threads or processes.
+// Each end is used by one thread at a time (not thread-safe), except that interrupt() may come from
+// another thread at any time but during close(); the two ends may live in different threads or processes.
 class ShmRingReceiver {
  public:
   // Creates the control and first data segment; does not wait for the sender.
@@ -134,8 +137,13 @@ class ShmRingReceiver {
   // Swaps to smaller slots if the ring is empty and no resize is in flight; returns whether it did.
   bool shrink(size_t slot_bytes);
 
-  // Tells the sender, unmaps and unlinks everything; outstanding Messages become invalid.
-  void close() noexcept;
+  // Makes a recv() or wait_connected() waiting in another thread raise ProtocolError at once, and every
+  // later wait too; the caller then closes this end once that thread has left.
+  void interrupt() noexcept;
+
+  // Tells the sender, unmaps and unlinks everything; outstanding Messages become invalid. A non-empty
+  // reason (an abort's) is quoted in the sender's error.
+  void close(const std::string& reason = {}) noexcept;
 
   size_t slot_bytes() const;
   uint32_t generation() const;
@@ -167,6 +175,7 @@ class ShmRingReceiver {
   uint64_t next_recv_seq_ = 0;
   uint64_t released_count_ = 0;
   std::chrono::steady_clock::time_point next_liveness_check_{};
+  std::atomic<bool> interrupted_{false};
 };
 
 class ShmRingSender {
@@ -193,8 +202,12 @@ class ShmRingSender {
   // receiver's service(), so two ends sending oversized messages to each other cannot deadlock.
   void set_wait_hook(std::function<void()> hook) { wait_hook_ = std::move(hook); }
 
-  // Lets the receiver drain what was sent, then report the close.
-  void close() noexcept;
+  // Makes a send() waiting in another thread raise ProtocolError at once, and every later wait too; the
+  // caller then closes this end once that thread has left.
+  void interrupt() noexcept;
+
+  // Lets the receiver drain what was sent, then report the close, quoting a non-empty reason (an abort's).
+  void close(const std::string& reason = {}) noexcept;
 
   uint64_t next_send_seq() const { return next_send_seq_; }
   size_t slot_bytes() const { return slot_bytes_; }
@@ -221,6 +234,7 @@ class ShmRingSender {
   size_t slot_bytes_ = 0;
   uint64_t next_send_seq_ = 0;
   std::function<void()> wait_hook_;
+  std::atomic<bool> interrupted_{false};
 };
 
 }  // namespace pipecomm::transport
