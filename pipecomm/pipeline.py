@@ -373,16 +373,16 @@ class Pipeline:
     def _fail(self, action: str, error: BaseException) -> BaseException:
         """Publishes and aborts; returns the error to raise: ``error``, or a PeerFailedError naming the cause."""
         global_rank = self._global_rank(self.rank)
-        explained = error
         symptom = isinstance(error, (ChannelError, TimeoutError, PeerFailedError))
-        reasons = self._notes.reasons(global_rank) if symptom and not isinstance(error, PeerFailedError) else ""
-        if reasons:
+        reasons = self._notes.reasons(global_rank) if symptom else ""
+        explained = error
+        if reasons and not isinstance(error, PeerFailedError):
             explained = PeerFailedError(f"{error} ({reasons})")
-        if not reasons and not isinstance(error, PeerFailedError):
-            self._notes.publish(global_rank, f"rank {global_rank} (pipeline rank {self.rank}, stages {self.stages}) "
-                                             f"failed in {action}: {describe(error)}")
+        own = f"rank {global_rank} (pipeline rank {self.rank}, stages {self.stages}) failed in {action}: {describe(error)}"
+        if not reasons:
+            self._notes.publish(global_rank, own)
         self._failed = describe(explained, limit=500)
-        self._abort(f"rank {global_rank} failed in {action}: {describe(explained)}")
+        self._abort(reasons or own)  # the original cause first: the shm and IPC channels carry 240 bytes of it
         return explained
 
     def _abort(self, reason: str) -> None:
