@@ -68,8 +68,12 @@ def connect(
     ``device`` is where this rank's tensors live: by default the current CUDA device when the
     group's backend is NCCL, else the CPU. ``backend="auto"`` picks CUDA IPC for GPUs on one host,
     shared memory for CPU tensors on one host and torch.distributed otherwise; ``"ipc"``,
-    ``"shm"`` and ``"dist"`` force one. Every wait raises after ``timeout`` seconds. At most
-    ``num_slots`` messages go unreceived each way (over NCCL, any number): a send waits for room.
+    ``"shm"`` and ``"dist"`` force one. Ranks are on one host when their machine and boot match, or,
+    where the environment variable ``PIPECOMM_HOST_ID`` is set (read here), when its values match:
+    processes of one machine with different values then act as separate hosts, as in a test of a
+    multi-host setup on one machine. Ranks that share a value must share a machine. Every wait
+    raises after ``timeout`` seconds. At most ``num_slots`` messages go unreceived each way (over
+    NCCL, any number): a send waits for room.
     """
     if backend not in BACKENDS:
         raise ValueError(f"connect: backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
@@ -441,13 +445,15 @@ class DistChannel(Channel):
         meta, present = self._outgoing(tensors)
         meta_bytes = b"" if meta == self._sent_meta else pickle.dumps(meta)
         self._sent_meta = meta
-        payload = pipecomm.pack(present).to(self._wire_device) if present else None
-        header = torch.tensor([len(meta_bytes), 0 if payload is None else payload.numel()], dtype=torch.int64)
+        # Only parts of at least one byte go: the receiver posts none for an empty part, and a posted
+        # receive matches whatever this channel sends next, so an empty send would shift every later message.
+        payload_length = pipecomm.packed_nbytes(present)
+        header = torch.tensor([len(meta_bytes), payload_length], dtype=torch.int64)
         parts = [header.to(self._wire_device)]
         if meta_bytes:
             parts.append(torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8).to(self._wire_device))
-        if payload is not None:
-            parts.append(payload)
+        if payload_length:
+            parts.append(pipecomm.pack(present).to(self._wire_device))
         works = [self._post_send(part, f"message {self._send_seq}") for part in parts]
         self._in_flight.append((self._send_seq, works, parts))
         self._send_seq += 1
@@ -506,6 +512,12 @@ class DistChannel(Channel):
             raise ProtocolError(f"{self._describe_direction('receive')}: message {seq} arrived before any metadata")
         outs = self._allocate(self._received_meta)
         present = [tensor for tensor in outs if tensor is not None]
+        expected_length = pipecomm.packed_nbytes(present)
+        if payload_length != expected_length:
+            raise ProtocolError(
+                f"{self._describe_direction('receive')}: message {seq} has a {payload_length}-byte payload but its "
+                f"metadata needs {expected_length} bytes (the two ends are out of step)"
+            )
         if payload_length:
             payload = self._receive(torch.empty(payload_length, dtype=torch.uint8, device=self._wire_device), seq, "payload")
             pipecomm.unpack_(payload.to(self.device), present)
@@ -599,6 +611,9 @@ def _default_device(group) -> torch.device:
 
 
 def _host_identity() -> str:
+    pretended = os.environ.get("PIPECOMM_HOST_ID")
+    if pretended:
+        return f"PIPECOMM_HOST_ID={pretended}"  # never equal to a real identity below
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot_id:
             boot = boot_id.read().strip()

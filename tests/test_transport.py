@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import glob
 import os
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from ranks import needs_cuda, rank_device, run_ranks
 
+import pipecomm
 import pipecomm.transport as transport
 
 # Every backend with the tensors it carries: CPU tensors over shared memory or gloo, CUDA tensors
@@ -120,6 +122,68 @@ def auto_backend(rank: int, world_size: int, kind: str) -> str:
 )
 def test_auto_picks_the_same_host_transport(tmp_path, kind, expected):
     assert run_ranks(2, auto_backend, tmp_path, kind) == [expected, expected]
+
+
+PRETENDED_HOSTS = ["a", "a", "b", "b"]  # by rank: one machine acting as two hosts of two ranks each
+# What each rank's channels to its neighbours then are, by peer.
+PRETENDED_HOSTS_BACKENDS = [{1: "shm"}, {0: "shm", 2: "dist"}, {1: "dist", 3: "shm"}, {2: "shm"}]
+
+
+def neighbours_backends(rank: int, world_size: int) -> dict:
+    os.environ["PIPECOMM_HOST_ID"] = PRETENDED_HOSTS[rank]
+    backends = {}
+    for peer in (rank - 1, rank + 1):  # in rank order, so that no two ranks wait on each other's connect
+        if 0 <= peer < world_size:
+            with transport.connect(peer, timeout=30) as channel:
+                assert channel.send_recv([torch.tensor([rank])])[0].item() == peer
+                backends[peer] = channel.backend
+    return backends
+
+
+def test_pipecomm_host_id_makes_one_machine_several_hosts(tmp_path):
+    assert run_ranks(4, neighbours_backends, tmp_path) == PRETENDED_HOSTS_BACKENDS
+
+
+def train_across_pretended_hosts(rank: int, world_size: int) -> dict:
+    """Two training steps against the unsplit model on this process; returns the pipeline's backends by peer."""
+    os.environ["PIPECOMM_HOST_ID"] = PRETENDED_HOSTS[rank]
+    backends = {}
+    connect = transport.connect
+
+    def recording_connect(peer_rank, *args, **kwargs):
+        channel = connect(peer_rank, *args, **kwargs)
+        backends[peer_rank] = channel.backend
+        return channel
+
+    transport.connect = recording_connect  # this spawned rank's own module: no other test sees it
+    hidden = 8
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.Tanh())
+                                  for _ in range(world_size)])
+    reference = copy.deepcopy(model)
+    stage = pipecomm.split(model, world_size, rank)
+    pipe = pipecomm.Pipeline(stage, stage=rank, num_stages=world_size, loss_fn=torch.nn.functional.mse_loss,
+                             micro_batches=4, timeout=60)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        generator = torch.Generator().manual_seed(step)
+        x, target = torch.randn(8, hidden, generator=generator), torch.randn(8, hidden, generator=generator)
+        loss = pipe.step(x, target=target)
+        ref_loss = torch.nn.functional.mse_loss(reference(x), target)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        for param, ref_param in zip(stage.parameters(), reference[rank].parameters()):
+            torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6)
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    pipe.close()
+    return backends
+
+
+def test_pipeline_across_pretended_hosts_matches_one_process(tmp_path):
+    assert run_ranks(4, train_across_pretended_hosts, tmp_path, timeout=120) == PRETENDED_HOSTS_BACKENDS
 
 
 def stress(rank: int, world_size: int, backend: str, kind: str, count: int, max_bytes: int,
