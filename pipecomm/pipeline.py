@@ -92,46 +92,50 @@ class Pipeline:
         self.timeout = timeout
         self.num_ranks = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        _check_configuration(modules, stages, num_stages, self.num_ranks, self.rank, schedule)
-        self.schedule: Schedule = make_schedule(schedule, self.num_ranks, micro_batches, len(stages))
-        validate(self.schedule)
-        _check_channel_order(self.schedule)
         self.stages = sorted(stages)
-        self.num_stages = num_stages
-        self.micro_batches = micro_batches
-        self.modules = dict(zip(stages, modules))
-        self.device = torch.device(device) if device is not None else _module_device(modules)
-        for flag, value in (("cuda_graphs", cuda_graphs), ("device_timing", device_timing)):
-            if value and self.device.type != "cuda":
-                raise ValueError(f"Pipeline: {flag}=True needs stages on a CUDA device, not {self.device}")
-        self._sinks = {s: GradientSink(list(self.modules[s].parameters()), main_grad) for s in self.stages}
-        self._data_parallel = (
-            DataParallelGrads(self._sinks, data_group)
-            if data_group is not None and dist.get_world_size(data_group) > 1
-            else None
-        )
-        splits_backward = any(action.kind == "I" for action in self.schedule.actions[self.rank])
-        store = WeightGradStore() if splits_backward else None
-        self._channels: dict[tuple[int, str], object] = {}
-        self._executor = StageExecutor(
-            self.schedule, self.rank, self.modules, self._sinks, self._channels, loss_fn,
-            on_stage_backward_done=self._data_parallel.start if self._data_parallel else None,
-            weight_grad_store=store, cuda_graphs=cuda_graphs,
-            device_timeline=DeviceTimeline(self.device) if device_timing else None,
-        )
-        self._channels.update(self._connect(transport, timeout))
-        self._undo_deferral = defer_linear_weight_grads(modules, store) if store else lambda: None
-        self._last_rank = self.schedule.stage_rank(num_stages - 1)
-        self._shared = (
-            SharedParameters(self.modules, lambda s: self._global_rank(self.schedule.stage_rank(s)))
-            if dist.is_initialized()
-            else None
-        )
+        # Set first, so that a failure while building is published and peers waiting to connect stop at once.
         self._notes = FailureNotes()
         self._failed: str | None = None
         self._closed = False
-        if self._shared:
-            self._shared.synchronize_values(self._wait)
+        self._channels: dict[tuple[int, str], object] = {}
+        self._undo_deferral: Callable[[], None] = lambda: None
+        with self._failing_fast("building the Pipeline"):
+            _check_configuration(modules, stages, num_stages, self.num_ranks, self.rank, schedule)
+            self.schedule: Schedule = make_schedule(schedule, self.num_ranks, micro_batches, len(stages))
+            validate(self.schedule)
+            _check_channel_order(self.schedule)
+            self.num_stages = num_stages
+            self.micro_batches = micro_batches
+            self.modules = dict(zip(stages, modules))
+            self.device = torch.device(device) if device is not None else _module_device(modules)
+            for flag, value in (("cuda_graphs", cuda_graphs), ("device_timing", device_timing)):
+                if value and self.device.type != "cuda":
+                    raise ValueError(f"Pipeline: {flag}=True needs stages on a CUDA device, not {self.device}")
+            self._sinks = {s: GradientSink(list(self.modules[s].parameters()), main_grad) for s in self.stages}
+            self._data_parallel = (
+                DataParallelGrads(self._sinks, data_group)
+                if data_group is not None and dist.get_world_size(data_group) > 1
+                else None
+            )
+            splits_backward = any(action.kind == "I" for action in self.schedule.actions[self.rank])
+            store = WeightGradStore() if splits_backward else None
+            self._executor = StageExecutor(
+                self.schedule, self.rank, self.modules, self._sinks, self._channels, loss_fn,
+                on_stage_backward_done=self._data_parallel.start if self._data_parallel else None,
+                weight_grad_store=store, cuda_graphs=cuda_graphs,
+                device_timeline=DeviceTimeline(self.device) if device_timing else None,
+            )
+            self._connect(transport, timeout)
+            if store:
+                self._undo_deferral = defer_linear_weight_grads(modules, store)
+            self._last_rank = self.schedule.stage_rank(num_stages - 1)
+            self._shared = (
+                SharedParameters(self.modules, lambda s: self._global_rank(self.schedule.stage_rank(s)))
+                if dist.is_initialized()
+                else None
+            )
+            if self._shared:
+                self._shared.synchronize_values(self._wait)
         _live.add(self)
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -395,26 +399,26 @@ class Pipeline:
             with contextlib.suppress(Exception):
                 channel.abort(reason)
 
-    def _connect(self, backend: str, timeout: float) -> dict[tuple[int, str], object]:
-        """Two channels (activations, gradients) to every neighbouring rank, opened in one global
-        order of rank pairs so that no two ranks wait on each other's connect."""
+    def _connect(self, backend: str, timeout: float) -> None:
+        """Two channels (activations, gradients) to every neighbouring rank, opened in one global order of rank
+        pairs so that no two ranks wait on each other's connect; each added to ``_channels`` as it opens, so that
+        a failure midway aborts the ones already open."""
         peers = set()
         for stage in self.stages:
             for neighbour in (stage - 1, stage + 1):
                 if 0 <= neighbour < self.num_stages:
                     peers.add(self.schedule.stage_rank(neighbour))
-        channels: dict[tuple[int, str], object] = {}
+        global_rank = self._global_rank(self.rank)
         for peer in sorted(peers, key=lambda peer: (min(peer, self.rank), max(peer, self.rank))):
             for kind in ("act", "grad"):
                 if peer == self.rank:
                     channel = _Loopback()
                 else:
-                    channel = transport.connect(
-                        self._global_rank(peer), self.group, backend, device=self.device, timeout=timeout
-                    )
+                    channel = transport.connect(self._global_rank(peer), self.group, backend, device=self.device,
+                                                timeout=timeout, peer_failure=lambda: self._notes.reasons(global_rank))
                 # Activations are structures; gradients, one per tensor of the activation message, stay flat.
-                channels[(peer, kind)] = boundary.StructureChannel(channel, self.device) if kind == "act" else channel
-        return channels
+                self._channels[(peer, kind)] = (boundary.StructureChannel(channel, self.device) if kind == "act"
+                                                else channel)
 
     def _sink_of(self, param: nn.Parameter) -> GradientSink:
         return next(sink for sink in self._sinks.values() if any(p is param for p in sink.params))

@@ -9,8 +9,9 @@ import os
 import pickle
 import socket
 import threading
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,7 @@ def connect(
     timeout: float = DEFAULT_TIMEOUT,
     num_slots: int = 4,
     slot_bytes: int = 1 << 20,
+    peer_failure: Callable[[], str] | None = None,
 ) -> Channel:
     """Opens a channel to ``peer_rank`` (a global rank); the peer must call ``connect`` back.
 
@@ -73,7 +75,9 @@ def connect(
     processes of one machine with different values then act as separate hosts, as in a test of a
     multi-host setup on one machine. Ranks that share a value must share a machine. Every wait
     raises after ``timeout`` seconds. At most ``num_slots`` messages go unreceived each way (over
-    NCCL, any number): a send waits for room.
+    NCCL, any number): a send waits for room. While it waits for the peer to call back,
+    ``peer_failure`` (if given) is asked every 0.1 s why the peer will not come; an answer ends the
+    wait with a ChannelError that holds it.
     """
     if backend not in BACKENDS:
         raise ValueError(f"connect: backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
@@ -90,7 +94,7 @@ def connect(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
 
-    store = _Rendezvous(rank, peer_rank, timeout)
+    store = _Rendezvous(rank, peer_rank, timeout, peer_failure)
     same_host = store.exchange("host", _host_identity()) == _host_identity()
     if backend == "auto":
         backend = ("ipc" if device.type == "cuda" else "shm") if same_host else "dist"
@@ -625,7 +629,7 @@ def _host_identity() -> str:
 class _Rendezvous:
     """The store keys of one channel: both ends of the n-th connect() between two ranks share them."""
 
-    def __init__(self, rank: int, peer_rank: int, timeout: float):
+    def __init__(self, rank: int, peer_rank: int, timeout: float, peer_failure: Callable[[], str] | None = None):
         low, high = sorted((rank, peer_rank))
         _connections_per_pair[low, high] += 1
         self.number = _connections_per_pair[low, high]
@@ -634,6 +638,7 @@ class _Rendezvous:
         self.peer_rank = peer_rank
         self.is_low = rank == low
         self.timeout = datetime.timedelta(seconds=timeout)
+        self.peer_failure = peer_failure
         self.store = dist.distributed_c10d._get_default_store()
 
     def set(self, name: str, value: bytes | str) -> None:
@@ -641,15 +646,23 @@ class _Rendezvous:
 
     def get_peer(self, name: str) -> bytes:
         key = f"{self.prefix}/{name}/{self.peer_rank}"
-        try:
-            self.store.wait([key], self.timeout)
-        except RuntimeError as error:
-            raise ChannelTimeoutError(
-                f"pipecomm channel rank {self.rank} <-> rank {self.peer_rank}: rank {self.rank} timed out after "
-                f"{self.timeout.total_seconds():g} s waiting for rank {self.peer_rank} to publish {name!r} "
-                f"(did it call connect({self.rank})?)"
-            ) from error
-        return self.store.get(key)
+        channel = f"pipecomm channel rank {self.rank} <-> rank {self.peer_rank}"
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=max(0.001, min(left, 0.1) if self.peer_failure else left)))
+                return self.store.get(key)
+            except RuntimeError as error:
+                reason = self.peer_failure() if self.peer_failure else ""
+                if reason:
+                    raise ChannelError(f"{channel}: rank {self.rank} stopped waiting for rank {self.peer_rank} to "
+                                       f"publish {name!r}: {reason}") from None
+                if time.monotonic() >= deadline:
+                    raise ChannelTimeoutError(
+                        f"{channel}: rank {self.rank} timed out after {self.timeout.total_seconds():g} s waiting for "
+                        f"rank {self.peer_rank} to publish {name!r} (did it call connect({self.rank})?)"
+                    ) from error
 
     def exchange(self, name: str, value: str) -> str:
         self.set(name, value)

@@ -89,6 +89,19 @@ def micro_batches_differ(rank, world_size, clock):
     return pipe, lambda: (note_fault(clock) if rank == 0 else None, pipe.step(x, target=y))
 
 
+def construction_fails(rank, world_size, clock):
+    """Rank 1's Pipeline cannot be built: rank 0, waiting for it to connect, stops at once."""
+    stage = pipecomm.split(chain(world_size), world_size, rank)
+
+    def build():
+        if rank == 1:
+            note_fault(clock)
+        pipecomm.Pipeline(stage, stage=rank, num_stages=world_size, loss_fn=nn.functional.mse_loss, micro_batches=4,
+                          schedule="1f1b" if rank == 0 else "pipedream", timeout=TIMEOUT)
+
+    return None, build
+
+
 def loss_fails(rank, world_size, clock, backend="auto"):
     loss = nn.functional.mse_loss
     if rank == world_size - 1:
@@ -222,6 +235,9 @@ def fault_run(rank: int, world_size: int, scenario, clock: str) -> dict:
         outcome = {"type": type(error).__name__, "text": str(error), "time": time.time()}
     else:
         outcome = {"type": None, "text": "", "time": time.time()}
+    if pipe is None:  # the Pipeline was never built: nothing to refuse
+        outcome["refused"] = True
+        return outcome
     x, y = data()
     try:
         pipe.step(x, target=y)
@@ -236,6 +252,7 @@ CASES = {
     # scenario: (ranks, the ranks that die, the failing rank's error type, what every rank's error must contain)
     "indivisible batch on 3 stages": (indivisible_batch, 3, (), "ValueError", "not divisible by micro_batches=4"),
     "target of the wrong batch size": (wrong_target_batch, 3, (), "ValueError", "target has batch size 4 but the inputs have 8"),
+    "a peer's Pipeline cannot be built": (construction_fails, 2, (), "ValueError", "unknown schedule 'pipedream'"),
     "micro_batches differ between ranks": (micro_batches_differ, 2, (), "ValueError",
                                            "into 4 micro-batches but the Pipeline on rank 1 has micro_batches=2"),
     "loss raises (peer waits on shm)": (loss_fails, 2, (), "ArithmeticError", "the loss of micro-batch 2 failed"),
