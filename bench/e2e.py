@@ -20,7 +20,11 @@ Schedules: pipecomm gpipe, 1f1b, interleaved-1f1b (v=2), zb-h1, 1f1b and interle
 ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2) and ScheduleInterleavedZeroBubble (v=2)
 through PipelineStage, all in the same run. A schedule that fails is reported as an error string.
 --smoke runs it on CPU (gloo, pipecomm's shared-memory channels, fp32, d=32, seq=16) to check the
-control flow; its numbers mean nothing.
+control flow; its numbers mean nothing. --cpu is a real CPU measurement (gloo, fp32, one thread per
+rank, d=128, seq=64, micro-batch size 2: a step of about 200 ms on two cores). --transport
+shm,dist runs each pipecomm schedule once per channel backend (rows "1f1b@dist", ...). On CPU the
+parent also computes the loss in one process without a pipeline, and a schedule whose loss differs
+from it fails the run.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from _common import RankFailure, environment, print_environment, print_table, sp
 VIRTUAL = 2  # chunks per rank for the interleaved schedules
 
 GRAPHS = "+graphs"  # suffix: the same schedule with Pipeline(cuda_graphs=True)
+TRANSPORT = "@"  # "1f1b@dist": the schedule with Pipeline(transport="dist") (--transport)
+TRANSPORTS = ("auto", "shm", "dist", "ipc")
 PIPECOMM_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "1f1b" + GRAPHS, "interleaved-1f1b" + GRAPHS]
 # torch rows whose schedule pipecomm also generates, for the theoretical bubble (torch's zero-bubble
 # schedule is a different one).
@@ -64,6 +70,7 @@ TORCH_SCHEDULES = {  # row name -> (class name in torch.distributed.pipelining, 
 BASELINE = "torch 1F1B"
 # The project's targets, against torch 1F1B in the same run.
 TARGET_COMPUTE_SPEED, TARGET_COMPUTE_MEMORY, TARGET_BEST_SPEED, TARGET_OVERHEAD_SPEED = 1.0, 0.85, 1.08, 1.25
+REFERENCE_TOLERANCE = 1e-4  # relative, fp32 on CPU: a row's loss against the one-process loss
 
 def columns(ranks: int) -> list[str]:
     return (["schedule", "step_ms", "wall_ms", "eff", "ideal", "bubble", "theory", "speed_vs_torch_1f1b"]
@@ -90,18 +97,21 @@ CONFIGS = {
 }
 
 
-def smoke_config(config: Config) -> Config:
-    """The same micro-batch counts at toy sizes, so every schedule's control flow runs on CPU."""
-    return Config(config.name, 32, 16, 2, config.micro_batches)
+# mode -> (hidden, seq, micro-batch size) replacing every config's own on CPU, micro-batch counts kept:
+# toy sizes that only run the control flow, and sizes where compute, not Python, fills a CPU step.
+CPU_SHAPES = {"smoke": (32, 16, 2), "cpu": (128, 64, 2)}
 
 
-def config_named(name: str, smoke: bool) -> Config:
-    """A config by name; "compute-m16" is compute with 16 micro-batches (--micro-batches)."""
+def config_named(name: str, mode: str) -> Config:
+    """A config by name for a mode (gpu, cpu, smoke); "compute-m16" is compute with 16 micro-batches."""
     base, _, micro_batches = name.partition("-m")
     config = CONFIGS[base]
     if micro_batches:
         config = replace(config, name=name, micro_batches=int(micro_batches))
-    return smoke_config(config) if smoke else config
+    if mode in CPU_SHAPES:
+        hidden, seq, micro_batch_size = CPU_SHAPES[mode]
+        config = replace(config, hidden=hidden, seq=seq, micro_batch_size=micro_batch_size)
+    return config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,6 +162,25 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output.float(), target.float())
 
 
+def make_batch(config: Config, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same inputs and targets on every rank, in every schedule and in the one-process reference."""
+    generator = torch.Generator(device).manual_seed(7)
+    shape = (config.micro_batch_size * config.micro_batches, config.seq, config.hidden)
+    inputs = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    target = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    return inputs.to(dtype), target.to(dtype)
+
+
+def reference_loss(config: Config, layers: int) -> float:
+    """The step's loss in one process without a pipeline: the mean of the micro-batches' losses."""
+    model = build_chunk(range(layers), config, torch.device("cpu"), torch.float32)
+    inputs, target = make_batch(config, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        losses = [loss_fn(model(micro_inputs), micro_target) for micro_inputs, micro_target
+                  in zip(inputs.chunk(config.micro_batches), target.chunk(config.micro_batches))]
+    return float(torch.stack(losses).mean())
+
+
 # ---------------------------------------------------------------------------------------------
 # One rank
 
@@ -161,7 +190,7 @@ class Rank:
         self.rank = rank
         self.args = args
         self.store = store
-        self.cuda = not args.smoke
+        self.cuda = args.mode == "gpu"
         self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self._barriers = 0
@@ -203,12 +232,7 @@ class Rank:
         return (torch.cuda.max_memory_allocated(self.device) + graph_pools) / 1e9
 
     def batch(self, config: Config) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same inputs and targets on every rank and in every schedule."""
-        generator = torch.Generator(self.device).manual_seed(7)
-        shape = (config.micro_batch_size * config.micro_batches, config.seq, config.hidden)
-        inputs = torch.randn(shape, generator=generator, device=self.device, dtype=torch.float32)
-        target = torch.randn(shape, generator=generator, device=self.device, dtype=torch.float32)
-        return inputs.to(self.dtype), target.to(self.dtype)
+        return make_batch(config, self.device, self.dtype)
 
     # -- timing --------------------------------------------------------------------------------
 
@@ -257,7 +281,7 @@ class Rank:
                 output.backward(output_grad)
             micro_inputs.grad = None
 
-        warmup, iters = (self.args.warmup + 2, max(self.args.steps, 10)) if self.cuda else (1, 3)
+        warmup, iters = (1, 3) if self.args.mode == "smoke" else (self.args.warmup + 2, max(self.args.steps, 10))
         forward_backward()
         samples, _ = self.time_steps(forward_backward, warmup, iters)
         memory = self.stage_memory(module, micro_inputs, forward_backward, in_flight=min(self.args.ranks - stage,
@@ -295,6 +319,7 @@ class Rank:
     def pipecomm_runner(self, config: Config, schedule: str) -> tuple[Callable[[], torch.Tensor], Callable[[], None], Any]:
         import pipecomm
 
+        schedule, _, backend = schedule.partition(TRANSPORT)
         cuda_graphs = schedule.endswith(GRAPHS)
         schedule = schedule.removesuffix(GRAPHS)
         chunks = VIRTUAL if schedule.startswith("interleaved") else 1
@@ -309,6 +334,7 @@ class Rank:
             micro_batches=config.micro_batches,
             schedule=schedule,
             device=self.device,
+            transport=backend or "auto",
             timeout=float(self.args.timeout),
             cuda_graphs=cuda_graphs,
             device_timing=bool(self.args.trace) and self.cuda,
@@ -388,7 +414,7 @@ class Rank:
 def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any], None],
              config: dict[str, Any]) -> dict[str, Any]:
     args = argparse.Namespace(**config)
-    device, store = start_rank(rank, world_size, store_port, args.smoke, args.timeout)
+    device, store = start_rank(rank, world_size, store_port, args.mode != "gpu", args.timeout)
     me = Rank(rank, args, store)
     env = environment(device) if rank == 0 else None
     if env is not None:
@@ -398,11 +424,11 @@ def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any]
             env["cards"] = [torch.cuda.get_device_properties(i).name for i in range(world_size)]
             env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
             env["NCCL_NVLS_ENABLE"] = os.environ.get("NCCL_NVLS_ENABLE")
-        if args.smoke:
-            env["dtype"] = "float32 (smoke)"
+        if not me.cuda:
+            env["dtype"] = f"float32 ({args.mode}), {torch.get_num_threads()} thread(s) per rank"
     me.barrier()
     for name in args.config_list:
-        config = config_named(name, args.smoke)
+        config = config_named(name, args.mode)
         me.log(f"{name}: d={config.hidden} seq={config.seq} micro-batch {config.micro_batch_size} x "
                f"{config.micro_batches}: one stage's compute")
         compute, memory = me.compute_ms(config)
@@ -434,7 +460,7 @@ class Collector:
 
 
 def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -> tuple[list[dict[str, Any]], dict]:
-    config = config_named(config_name, args.smoke)
+    config = config_named(config_name, args.mode)
     m, p = config.micro_batches, args.ranks
     per_rank_compute = [collected.compute.get((config_name, rank), {}).get("ms_per_micro_batch")
                         for rank in range(args.ranks)]
@@ -478,9 +504,20 @@ def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -
     for row in rows:
         if baseline is not None and "step_ms" in row:
             row["speed_vs_torch_1f1b"] = baseline["step_ms"] / row["step_ms"]
+            row["step_vs_torch_1f1b"] = row["step_ms"] / baseline["step_ms"]
             peaks, base_peaks = peak(row, args.ranks), peak(baseline, args.ranks)
             row["mem/torch_1f1b"] = peaks / base_peaks if peaks is not None and base_peaks else None
     return rows, summary
+
+
+def check_reference(summary: dict[str, Any], rows: list[dict[str, Any]], args: argparse.Namespace) -> str | None:
+    """Records every row's first-step loss against the one-process loss; a failure message if one is off."""
+    expected = reference_loss(config_named(summary["config"], args.mode), args.layers)
+    spreads = {row["schedule"]: abs(row["loss"] - expected) / max(abs(expected), 1e-12)
+               for row in rows if row.get("loss") is not None}
+    summary["reference_loss"], summary["reference_spread"] = expected, max(spreads.values(), default=None)
+    off = [schedule for schedule, spread in spreads.items() if spread > REFERENCE_TOLERANCE]
+    return f"{summary['config']}: loss of {off} differs from the one-process loss {expected:.6f}" if off else None
 
 
 def memory_floor_line(summary: dict[str, Any], rows: list[dict[str, Any]], ranks: int) -> str | None:
@@ -500,7 +537,7 @@ def memory_floor_line(summary: dict[str, Any], rows: list[dict[str, Any]], ranks
 
 def theoretical_bubble(row_name: str, ranks: int, micro_batches: int) -> float | None:
     """The schedule's bubble fraction simulated with F = 1, B = 2 (I = W = 1) and free transfers."""
-    name = SAME_SCHEDULE.get(row_name, row_name).removesuffix(GRAPHS)
+    name = SAME_SCHEDULE.get(row_name, row_name).partition(TRANSPORT)[0].removesuffix(GRAPHS)
     if name not in PIPECOMM_SCHEDULES:
         return None
     virtual = VIRTUAL if name.startswith("interleaved") else 1
@@ -568,8 +605,7 @@ def plot(path: Path, rows: dict[str, list[dict[str, Any]]], summaries: dict[str,
     except Exception as error:
         return f"no PNG: matplotlib is not importable ({type(error).__name__}: {error})"
     configs = list(rows)
-    schedules = [s for s in PIPECOMM_SCHEDULES + list(TORCH_SCHEDULES) if any(r["schedule"] == s for c in configs
-                                                                               for r in rows[c])]
+    schedules = list(dict.fromkeys(r["schedule"] for c in configs for r in rows[c]))
     figure, axes = plt.subplots(figsize=(3.2 + 0.35 * len(configs) * max(len(schedules), 1), 4.2))
     width = 0.8 / max(len(schedules), 1)
     colors = plt.get_cmap("tab10")
@@ -625,7 +661,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny CPU run (gloo, shm channels, fp32, d=32, seq=16, micro-batch size 2) "
                              "to check the flow")
+    parser.add_argument("--cpu", action="store_true",
+                        help="real CPU measurement (gloo, fp32, one thread per rank, d=128, seq=64, micro-batch "
+                             "size 2)")
+    parser.add_argument("--transport", default="auto", metavar="LIST",
+                        help="comma list of pipecomm channel backends, each pipecomm schedule runs once per entry: "
+                             + ", ".join(TRANSPORTS) + " (auto: shm or CUDA IPC on one host)")
     args = parser.parse_args(argv)
+    if args.smoke and args.cpu:
+        parser.error("--smoke and --cpu exclude each other")
+    args.mode = "smoke" if args.smoke else "cpu" if args.cpu else "gpu"
     if args.smoke:
         # Only options left at their defaults shrink, so a smoke run can still be steered.
         for name, value in (("steps", 2), ("warmup", 1), ("timeout", 30), ("deadline", 240.0)):
@@ -635,15 +680,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         else [c.strip() for c in args.configs.split(",") if c.strip()])
     known = PIPECOMM_SCHEDULES + list(TORCH_SCHEDULES)
     # CUDA graphs need a GPU: a smoke run leaves those rows out unless named.
-    everything = [name for name in known if not (args.smoke and name.endswith(GRAPHS))]
+    everything = [name for name in known if not (args.mode != "gpu" and name.endswith(GRAPHS))]
     args.schedule_list = (everything if args.schedules == "all"
                           else [s.strip() for s in args.schedules.split(",") if s.strip()])
+    backends = [b.strip() for b in args.transport.split(",") if b.strip()]
+    if not backends or any(b not in TRANSPORTS for b in backends):
+        parser.error(f"--transport takes a comma list of {', '.join(TRANSPORTS)}, not {args.transport!r}")
     for name in args.config_list:
         if name not in CONFIGS:
             parser.error(f"unknown config {name!r}; known: {', '.join(CONFIGS)}")
     for name in args.schedule_list:
         if name not in known:
             parser.error(f"unknown schedule {name!r}; known: {', '.join(known)}")
+    args.schedule_list = [name if name in TORCH_SCHEDULES or backend == "auto" else f"{name}{TRANSPORT}{backend}"
+                          for name in args.schedule_list
+                          for backend in (backends if name not in TORCH_SCHEDULES else ["auto"])]
     if args.micro_batches:
         try:
             counts = [int(count) for count in args.micro_batches.split(",") if count.strip()]
@@ -662,8 +713,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the ranks
-    if not args.smoke and not (torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks):
-        raise SystemExit(f"needs {args.ranks} CUDA devices (or --smoke on CPU)")
+    if args.mode == "gpu" and not (torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks):
+        raise SystemExit(f"needs {args.ranks} CUDA devices (or --cpu, --smoke on CPU)")
     started = time.monotonic()
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
@@ -676,12 +727,14 @@ def main(argv: list[str] | None = None) -> None:
                                on_report=collected)
     except RankFailure as error:
         failure = str(error)  # print what was measured before the failure, then the failure
-    env = outcomes.get(0, {}).get("env") or environment(torch.device("cpu" if args.smoke else "cuda"))
+    env = outcomes.get(0, {}).get("env") or environment(torch.device("cuda" if args.mode == "gpu" else "cpu"))
 
     print_environment(env)
     if args.smoke:
         print("# SMOKE RUN on CPU: gloo, shm channels, fp32, toy sizes; numbers mean nothing")
-    clock = "host clock" if args.smoke else "CUDA events"
+    if args.cpu:
+        print(f"# CPU RUN: gloo, fp32, one thread per rank, {os.cpu_count()} cores; pipecomm channels: {args.transport}")
+    clock = "CUDA events" if args.mode == "gpu" else "host clock"
     print(f"# {args.layers} GPT layers, {args.ranks} ranks; step_ms = median of {args.steps} steps after "
           f"{args.warmup} warm-up ({clock}, slower rank); wall_ms = host time per step over the timed loop; "
           "eff = one stage's forward+backward of one micro-batch x micro_batches / step_ms; ideal = m/(m+p-1); "
@@ -694,6 +747,8 @@ def main(argv: list[str] | None = None) -> None:
         if not any("step_ms" in r or "error" in r for r in rows) and summary["stage_compute_ms"] is None:
             continue
         all_rows[name], summaries[name] = rows, summary
+        if args.mode != "gpu":
+            failure = failure or check_reference(summary, rows, args)
         shape = summary["shape"]
         compute = summary["stage_compute_ms"]
         print(f"\n## {name}: d={shape['hidden']} seq={shape['seq']} micro-batch {shape['micro_batch_size']} x "
@@ -703,16 +758,24 @@ def main(argv: list[str] | None = None) -> None:
         floor = memory_floor_line(summary, rows, args.ranks)
         if floor:
             print(floor)
+        for row in rows:
+            if "step_vs_torch_1f1b" in row and row["schedule"] not in TORCH_SCHEDULES:
+                print(f"# {name}: pipecomm {row['schedule']} / {BASELINE} step time = "
+                      f"{row['step_ms']:.2f} / {row['step_ms'] / row['step_vs_torch_1f1b']:.2f} ms = "
+                      f"{row['step_vs_torch_1f1b']:.3f}")
+        if "reference_loss" in summary:
+            print(f"# {name}: one-process loss {summary['reference_loss']:.6f}; largest relative difference of a "
+                  f"row's first-step loss {summary['reference_spread']} (tolerance {REFERENCE_TOLERANCE:g})")
     goals = targets(all_rows)
     print()
     spread = loss_spread(all_rows)
     if spread is not None:
         # No optimizer step: every schedule computes the loss of the same model on the same batch.
         print(f"# same model and data: largest relative loss difference between schedules {spread:.2e} "
-              f"({'ok' if spread <= (1e-4 if args.smoke else 2e-2) else 'MISMATCH'})")
+              f"({'ok' if spread <= (1e-4 if args.mode != 'gpu' else 2e-2) else 'MISMATCH'})")
     for goal in goals:
         print(f"# target: {goal['target']}: {goal['value']} {goal['verdict']}"
-              + (" (smoke run: meaningless)" if args.smoke else ""))
+              + (f" ({args.mode} run: meaningless)" if args.mode != "gpu" else ""))
     if failure:
         print(f"# RUN FAILED (results above are partial): {failure}")
     if args.json or args.plot:

@@ -50,7 +50,7 @@ def run_ranks(world_size: int, fn: Callable, tmp_path: Path, *args, timeout: flo
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    store_path = _free_port() if tcp_store else str(tmp_path / f"store-{os.getpid()}-{id(fn)}")
+    store_path = free_port() if tcp_store else str(tmp_path / f"store-{os.getpid()}-{id(fn)}")
     processes = [
         context.Process(target=_entry, args=(rank, world_size, store_path, results, fn, args), daemon=True)
         for rank in range(world_size)
@@ -96,7 +96,7 @@ def _collect_exits(processes, outcomes: dict, may_exit: frozenset) -> None:
 _exit_seen: dict = {}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
