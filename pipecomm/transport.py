@@ -646,23 +646,30 @@ class _Rendezvous:
 
     def get_peer(self, name: str) -> bytes:
         key = f"{self.prefix}/{name}/{self.peer_rank}"
-        channel = f"pipecomm channel rank {self.rank} <-> rank {self.peer_rank}"
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        while True:
-            left = deadline - time.monotonic()
+        if self.peer_failure is None:
             try:
-                self.store.wait([key], datetime.timedelta(seconds=max(0.001, min(left, 0.1) if self.peer_failure else left)))
-                return self.store.get(key)
+                self.store.wait([key], self.timeout)
             except RuntimeError as error:
-                reason = self.peer_failure() if self.peer_failure else ""
-                if reason:
-                    raise ChannelError(f"{channel}: rank {self.rank} stopped waiting for rank {self.peer_rank} to "
-                                       f"publish {name!r}: {reason}") from None
-                if time.monotonic() >= deadline:
-                    raise ChannelTimeoutError(
-                        f"{channel}: rank {self.rank} timed out after {self.timeout.total_seconds():g} s waiting for "
-                        f"rank {self.peer_rank} to publish {name!r} (did it call connect({self.rank})?)"
-                    ) from error
+                raise self._timed_out(name) from error
+            return self.store.get(key)
+        # check() and a short sleep rather than wait() slices, which TCPStore logs a warning for each time.
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self.store.check([key]):
+            reason = self.peer_failure()
+            if reason:
+                raise ChannelError(f"pipecomm channel rank {self.rank} <-> rank {self.peer_rank}: rank {self.rank} "
+                                   f"stopped waiting for rank {self.peer_rank} to publish {name!r}: {reason}")
+            if time.monotonic() >= deadline:
+                raise self._timed_out(name)
+            time.sleep(0.1)  # two store round trips a turn: few enough for thousands of ranks connecting at once
+        return self.store.get(key)
+
+    def _timed_out(self, name: str) -> ChannelTimeoutError:
+        return ChannelTimeoutError(
+            f"pipecomm channel rank {self.rank} <-> rank {self.peer_rank}: rank {self.rank} timed out after "
+            f"{self.timeout.total_seconds():g} s waiting for rank {self.peer_rank} to publish {name!r} "
+            f"(did it call connect({self.rank})?)"
+        )
 
     def exchange(self, name: str, value: str) -> str:
         self.set(name, value)
