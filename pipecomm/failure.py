@@ -112,7 +112,7 @@ class Collective:
                     raise _peer_error(self.what, error, notes, global_rank) from error
                 reasons = notes.reasons(global_rank) if notes is not None else ""
                 if reasons or time.monotonic() >= deadline:
-                    _abandon(self.tensors)
+                    keep_forever(self.tensors)
                     if reasons:
                         raise PeerFailedError(f"{self.what}: {reasons}") from None
                     raise TimeoutError(f"{self.what}: not done after {timeout:g} s") from None
@@ -126,9 +126,10 @@ class Collective:
                 time.sleep(0.0001)
 
 
-def _abandon(tensors: Sequence[torch.Tensor]) -> None:
-    """Keeps the tensors of a collective left running alive for good: the gloo worker that ends it, maybe while the
-    interpreter finalizes, then never drops the last reference to a Python object (which would need the GIL)."""
+def keep_forever(tensors: Sequence[torch.Tensor]) -> None:
+    """Keeps tensors alive until the process ends (the tensors of a collective left running, or a buffer every
+    step's collective reuses): the gloo worker that drops its reference last, maybe while the interpreter
+    finalizes, then never frees a Python object, which would need the GIL."""
     for tensor in tensors:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(tensor))
 

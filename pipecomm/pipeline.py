@@ -20,7 +20,7 @@ from pipecomm import boundary, microbatch, transport
 from pipecomm.capture import CapturedStage
 from pipecomm.device_timing import DeviceTimeline
 from pipecomm.executor import GradientSink, StageExecutor, naming_transfer
-from pipecomm.failure import Collective, FailureNotes, PeerFailedError, describe
+from pipecomm.failure import Collective, FailureNotes, PeerFailedError, describe, keep_forever
 from pipecomm.grad_sync import DataParallelGrads, SharedParameters
 from pipecomm.partition import StageModule
 from pipecomm.schedule import SCHEDULES, Schedule, make_schedule, validate
@@ -99,6 +99,7 @@ class Pipeline:
         self._closed = False
         self._channels: dict[tuple[int, str], object] = {}
         self._undo_deferral: Callable[[], None] = lambda: None
+        self._loss_wire: torch.Tensor | None = None
         with self._failing_fast("building the Pipeline"):
             _check_configuration(modules, stages, num_stages, self.num_ranks, self.rank, schedule)
             self.schedule: Schedule = make_schedule(schedule, self.num_ranks, micro_batches, len(stages))
@@ -174,10 +175,12 @@ class Pipeline:
                 self._shared.reduce_grads(self._sink_of, self._wait)
             if self.num_ranks == 1:
                 return loss
-            wire = self._wire_device()
-            result = loss.float().to(wire) if loss is not None else torch.zeros((), dtype=torch.float32, device=wire)
-            self._broadcast(result, "the loss")
-            return result.to(self.device)
+            if self._loss_wire is None:  # one buffer for every step's broadcast: see failure.keep_forever
+                self._loss_wire = torch.zeros((), dtype=torch.float32, device=self._wire_device())
+                keep_forever([self._loss_wire])
+            self._loss_wire.copy_(loss if loss is not None else torch.zeros(()))
+            self._broadcast(self._loss_wire, "the loss")
+            return self._loss_wire.to(self.device, copy=True)
 
     @torch.no_grad()
     def forward(self, *inputs, broadcast_result: bool = False, **kwargs):
