@@ -211,6 +211,8 @@ class StageExecutor:
         """
         self._inputs, self._targets = inputs, targets
         self._batch_size, self._target_batch = batch_size, target_batch
+        if self.last_stage in self.modules:
+            self._check_target_batch(batch_size)  # a one-rank pipeline's own batch; the others' arrives with it
         self._received: dict[tuple[int, int], boundary.Received] = {}
         # The tensors of a received message that gradients answer (none on the first stage, whose inputs are data).
         self._stage_inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -294,9 +296,12 @@ class StageExecutor:
         if received.micro_batches != self.schedule.micro_batches:
             raise ValueError(f"step: the first stage split the batch into {received.micro_batches} micro-batches but "
                              f"the Pipeline on rank {self.rank} has micro_batches={self.schedule.micro_batches}")
-        if last and None not in (received.batch_size, self._target_batch) and received.batch_size != self._target_batch:
-            raise ValueError(f"step: target has batch size {self._target_batch} but the inputs have "
-                             f"{received.batch_size}")
+        if last:
+            self._check_target_batch(received.batch_size)
+
+    def _check_target_batch(self, batch_size: int | None) -> None:
+        if None not in (batch_size, self._target_batch) and batch_size != self._target_batch:
+            raise ValueError(f"step: target has batch size {self._target_batch} but the inputs have {batch_size}")
 
     def _add_loss(self, loss: torch.Tensor) -> None:
         self._loss = loss if self._loss is None else self._loss + loss

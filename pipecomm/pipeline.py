@@ -165,8 +165,6 @@ class Pipeline:
                     raise ValueError("step: the last stage needs target=")
                 targets = target if isinstance(target, tuple) else (target,)
                 target_batch = microbatch.batch_size(targets, "target")
-                if batch is not None and target_batch is not None and target_batch != batch:
-                    raise ValueError(f"step: target has batch size {target_batch} but the inputs have {batch}")
                 split_targets = microbatch.split(targets, self.micro_batches, "target", self.device)
             loss = self._executor.run(split_inputs, split_targets, batch, target_batch)
             if self._data_parallel:
