@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import itertools
 import time
@@ -11,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from pipecomm.transport import PeerDiedError
+from pipecomm.transport import PeerDiedError, keep_forever
 
 __all__ = ["PeerFailedError"]
 
@@ -124,14 +123,6 @@ class Collective:
         for tensor, baseline in zip(self.tensors, self.baselines):
             while tensor._use_count() > baseline and time.monotonic() < give_up:
                 time.sleep(0.0001)
-
-
-def keep_forever(tensors: Sequence[torch.Tensor]) -> None:
-    """Keeps tensors alive until the process ends (the tensors of a collective left running, or a buffer every
-    step's collective reuses): the gloo worker that drops its reference last, maybe while the interpreter
-    finalizes, then never frees a Python object, which would need the GIL."""
-    for tensor in tensors:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(tensor))
 
 
 def _peer_error(what: str, error: RuntimeError, notes: FailureNotes | None, global_rank: int) -> Exception:

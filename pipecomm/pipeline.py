@@ -20,12 +20,12 @@ from pipecomm import boundary, microbatch, transport
 from pipecomm.capture import CapturedStage
 from pipecomm.device_timing import DeviceTimeline
 from pipecomm.executor import GradientSink, StageExecutor, naming_transfer
-from pipecomm.failure import Collective, FailureNotes, PeerFailedError, describe, keep_forever
+from pipecomm.failure import Collective, FailureNotes, PeerFailedError, describe
 from pipecomm.grad_sync import DataParallelGrads, SharedParameters
 from pipecomm.partition import StageModule
 from pipecomm.schedule import SCHEDULES, Schedule, make_schedule, validate
 from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
-from pipecomm.transport import ChannelError
+from pipecomm.transport import ChannelError, keep_forever
 
 __all__ = ["Pipeline"]
 
@@ -173,7 +173,7 @@ class Pipeline:
                 self._shared.reduce_grads(self._sink_of, self._wait)
             if self.num_ranks == 1:
                 return loss
-            if self._loss_wire is None:  # one buffer for every step's broadcast: see failure.keep_forever
+            if self._loss_wire is None:  # one buffer for every step's broadcast: see transport.keep_forever
                 self._loss_wire = torch.zeros((), dtype=torch.float32, device=self._wire_device())
                 keep_forever([self._loss_wire])
             self._loss_wire.copy_(loss if loss is not None else torch.zeros(()))

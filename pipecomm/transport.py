@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import datetime
 import os
-import pickle
 import socket
 import threading
 import time
@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-import pipecomm
 from pipecomm import _C
 
 __all__ = [
@@ -42,16 +41,12 @@ BACKENDS = ("auto", "ipc", "shm", "dist")
 _SEGMENT_PREFIX = "/pipecomm."
 # How long close() and abort() wait for a call in another thread to leave before leaving the release to it.
 _SHUTDOWN_WAIT_SECONDS = 1.0
-_ABORT_MARK = -1  # in a dist header's first field, where a message has its metadata's length
-_ABORT_REASON_BYTES = 4096
 # How gloo words a connection the peer's process closed, by dying or exiting.
 _PEER_GONE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 # Per (low rank, high rank) pair, how many channels this process has opened, so that both ends of
 # the n-th connect() between two ranks agree on its store keys without talking first.
 _connections_per_pair: collections.Counter = collections.Counter()
-
-Meta = tuple  # per entry: None, or (dtype, shape)
 
 
 def connect(
@@ -74,8 +69,10 @@ def connect(
     where the environment variable ``PIPECOMM_HOST_ID`` is set (read here), when its values match:
     processes of one machine with different values then act as separate hosts, as in a test of a
     multi-host setup on one machine. Ranks that share a value must share a machine. Every wait
-    raises after ``timeout`` seconds. At most ``num_slots`` messages go unreceived each way (over
-    NCCL, any number): a send waits for room. While it waits for the peer to call back,
+    raises after ``timeout`` seconds. At most ``num_slots`` messages go unreceived each way: a send
+    waits for room. Over torch.distributed the channel opens two-rank process groups of its own from
+    the default store: gloo, and NCCL for CUDA tensors when ``group``'s backend is NCCL (otherwise
+    they cross through host memory). While it waits for the peer to call back,
     ``peer_failure`` (if given) is asked every 0.1 s why the peer will not come; an answer ends the
     wait with a ChannelError that holds it.
     """
@@ -100,12 +97,12 @@ def connect(
         backend = ("ipc" if device.type == "cuda" else "shm") if same_host else "dist"
     if backend in ("ipc", "shm") and not same_host:
         raise ValueError(f"connect: backend {backend!r} needs rank {rank} and rank {peer_rank} on one host")
-    if backend == "ipc" and not (device.type == "cuda" and pipecomm.cuda_built()):
+    if backend == "ipc" and not (device.type == "cuda" and bool(_C.build_info()["cuda"])):
         raise ValueError(f"connect: backend 'ipc' needs CUDA tensors and a CUDA build of pipecomm, not {device}")
     if backend == "shm" and device.type != "cpu":
         raise ValueError(f"connect: backend 'shm' carries CPU tensors, not {device}")
     if backend == "dist":
-        channel: Channel = DistChannel(rank, peer_rank, device, timeout, group, store.number, num_slots)
+        channel: Channel = DistChannel(rank, peer_rank, device, timeout, group, store, num_slots)
     else:
         _sweep_stale_segments()
         if backend == "shm":
@@ -416,125 +413,176 @@ class ShmChannel(Channel):
 
 
 class DistChannel(Channel):
-    """Any two ranks through torch.distributed send/recv: a header, metadata on change, one packed payload.
+    """Any two ranks through torch.distributed: a header on the host per message, the metadata only when it
+    changes, one packed payload.
 
-    The receiver reads the header on the host before posting the payload's receive, so with NCCL
-    each message costs a small host sync; same-host ranks use the IPC and shared-memory channels.
-    An abort sends a header of ``_ABORT_MARK`` and the reason's length, then the reason's bytes.
+    The channel opens two-rank process groups of its own from the default store, so that its messages never
+    mix with another channel's or the program's (NCCL matches a send to a receive by order alone, whatever
+    the tag). A gloo group carries the headers, and the data too, except for CUDA tensors where ``group`` is
+    an NCCL group: those go over one NCCL group per direction, so that a send waiting for its receiver never
+    holds up a receive queued behind it on one NCCL stream, whatever order the two ranks post them in. The
+    receiver reads each header on the host and posts the payload's receive at once: over NCCL, no receive
+    waits for the GPU and the data never leaves it. The frames are the native codec's (``_C.MessageCodec``).
     """
 
     backend = "dist"
 
-    def __init__(self, rank, peer_rank, device, timeout, group, tag, num_slots):
+    def __init__(self, rank, peer_rank, device, timeout, group, rendezvous, num_slots):
         super().__init__(rank, peer_rank, device, timeout)
-        self._group = group
-        self._tag = tag  # keeps this channel's messages apart from other channels between the two ranks
-        self._sent_meta: Meta | None = None
-        self._received_meta: Meta | None = None
-        nccl = dist.get_backend(group) == "nccl"
-        self._wire_device = device if nccl else torch.device("cpu")
-        # gloo's sends report completion only to wait(): past this many messages in flight, a send waits
-        # for the oldest, which also bounds the buffers held. NCCL's is_completed() works.
-        self._window = None if nccl else num_slots
+        self._codec = _C.MessageCodec(str(device), self._describe_direction("send"), self._describe_direction("receive"))
+        self._pair_rank = 0 if rank < peer_rank else 1
+        self._rendezvous = rendezvous
+        store = rendezvous.store
+        wait = datetime.timedelta(seconds=timeout)
+        self._control = dist.ProcessGroupGloo(dist.PrefixStore(f"{rendezvous.prefix}/gloo", store), self._pair_rank, 2, wait)
+        self._nccl = device.type == "cuda" and "nccl" in str(dist.get_backend(group))
+        if self._nccl:
+            self._outgoing = _nccl_group(store, rendezvous.prefix, rank, peer_rank, wait)
+            self._incoming = _nccl_group(store, rendezvous.prefix, peer_rank, rank, wait)
+            self._connect_nccl()
+        else:
+            self._outgoing = self._incoming = self._control
+        self._wire_device = device if self._nccl else torch.device("cpu")
+        # Past this many messages in flight, a send waits for the oldest: gloo's sends report completion only
+        # to wait(), and the buffers of a peer that stopped receiving would otherwise pile up.
+        self._window = num_slots
+        # (seq, host works, NCCL works, buffers) of sends not known to be complete; the buffers must outlive them.
+        self._in_flight: collections.deque = collections.deque()
         self._send_seq = 0
         self._recv_seq = 0
-        # (seq, works, buffers) of sends not known to be complete; the buffers must outlive them.
-        self._in_flight: collections.deque = collections.deque()
+        # Over gloo a send waits for its receive to be posted, and is then written by the sending process's
+        # I/O thread, which a busy compute thread may keep off the core for milliseconds. So each header's
+        # receive is posted as the previous one arrives, and, where the last payload had n > 0 bytes, a
+        # receive of n bytes (a slot): a payload of 1 to n bytes goes into it, any other sends the slot a
+        # filler and goes on its own. Both ends know n, so no header needs to say which.
+        self._header: tuple | None = None  # (buffer, work) of the next header's receive, once posted
+        self._slot: tuple | None = None  # (buffer, work) of the next payload's slot, once posted
+        self._slot_bytes = 0  # the slot the peer posts for this end's next message
         self._peer_gone: str | None = None  # why the peer takes no more messages, once known
+
+    def _connect_nccl(self) -> None:
+        """Creates both directions' NCCL communicators now, in the same order on both ranks: created on first use,
+        a send's communicator would hold its host until the peer posted the matching receive."""
+        for source in sorted((self.rank, self.peer_rank)):
+            probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            direction = "send" if source == self.rank else "receive"
+            self._post(self._outgoing if source == self.rank else self._incoming, probe, _PAYLOAD_TAG,
+                       "the communicator's first message", direction).wait()
+        torch.cuda.current_stream(self.device).synchronize()
 
     def _send(self, tensors):
         if self._peer_gone is not None:
             raise ProtocolError(f"{self._describe_direction('send')}: cannot send message {self._send_seq}: {self._peer_gone}")
         self._retire_sends()
-        meta, present = self._outgoing(tensors)
-        meta_bytes = b"" if meta == self._sent_meta else pickle.dumps(meta)
-        self._sent_meta = meta
-        # Only parts of at least one byte go: the receiver posts none for an empty part, and a posted
-        # receive matches whatever this channel sends next, so an empty send would shift every later message.
-        payload_length = pipecomm.packed_nbytes(present)
-        header = torch.tensor([len(meta_bytes), payload_length], dtype=torch.int64)
-        parts = [header.to(self._wire_device)]
-        if meta_bytes:
-            parts.append(torch.frombuffer(bytearray(meta_bytes), dtype=torch.uint8).to(self._wire_device))
-        if payload_length:
-            parts.append(pipecomm.pack(present).to(self._wire_device))
-        works = [self._post_send(part, f"message {self._send_seq}") for part in parts]
-        self._in_flight.append((self._send_seq, works, parts))
+        header, meta, payload = self._codec.encode(tensors)
+        what = f"message {self._send_seq}"
+        host = [self._post(self._control, header, _HEADER_TAG, what, "send")]
+        if meta is not None:
+            host.append(self._post(self._control, meta, _META_TAG, what, "send"))
+        device_works = []
+        if self._nccl:
+            if payload is not None:
+                device_works.append(self._post(self._outgoing, payload, _PAYLOAD_TAG, what, "send"))
+        else:
+            payload_bytes = 0 if payload is None else payload.numel()
+            payload = None if payload is None else payload.cpu()
+            fits = _fits_slot(payload_bytes, self._slot_bytes)
+            if self._slot_bytes:  # the receiver posted a slot for this message: it gets the payload or a filler
+                host.append(self._post(self._control, payload if fits else _FILLER, _SLOT_TAG, what, "send"))
+            if payload_bytes and not fits:
+                host.append(self._post(self._control, payload, _PAYLOAD_TAG, what, "send"))
+            self._slot_bytes = payload_bytes
+        self._in_flight.append((self._send_seq, host, device_works, (header, meta, payload)))
         self._send_seq += 1
 
     def _retire_sends(self) -> None:
-        while self._in_flight and all(work.is_completed() for work in self._in_flight[0][1]):
+        while self._in_flight and all(work.is_completed() for work in self._in_flight[0][1] + self._in_flight[0][2]):
             self._in_flight.popleft()
-        while self._window is not None and len(self._in_flight) >= self._window:
-            seq, works, _ = self._in_flight.popleft()
-            for work in works:
-                self._wait(work, f"rank {self.rank} was waiting to send message {seq}", "send")
+        while len(self._in_flight) >= self._window:
+            self._complete_oldest_send()
 
-    def _post_send(self, part: torch.Tensor, what: str):
+    def _complete_oldest_send(self) -> None:
+        seq, host, device_works, _ = self._in_flight.popleft()
+        what = f"rank {self.rank} was waiting to send message {seq}"
+        for work in host:
+            self._wait(work, what, "send")
+        deadline = time.monotonic() + self.timeout
+        for work in device_works:
+            # A wait() would only make this stream wait; the buffers' memory needs the GPU done with them.
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise ChannelTimeoutError(f"{self._describe_direction('send')}: timed out after {self.timeout:g} s "
+                                              f"while {what} (the peer has not received it)")
+                time.sleep(1e-4)
+
+    def _post(self, group, tensor: torch.Tensor, tag: int, what: str, direction: str):
+        # In a direction's NCCL group the sender is rank 0; the gloo group has the ranks in the pair's order.
+        peer = 1 - self._pair_rank if group is self._control else int(direction == "send")
         try:
-            return dist.isend(part, self.peer_rank, group=self._group, tag=self._tag)
+            return (group.send if direction == "send" else group.recv)([tensor], peer, tag)
         except RuntimeError as error:
-            raise self._failure(error, f"rank {self.rank} was sending {what}", "send") from error
+            doing = "sending" if direction == "send" else "receiving"
+            raise self._failure(error, f"rank {self.rank} was {doing} {what}", direction) from error
 
-    def _outgoing(self, tensors: Sequence) -> tuple[Meta, list[torch.Tensor]]:
-        """The message's metadata and its tensors as contiguous buffers on this channel's device."""
-        present = []
-        for index, tensor in enumerate(tensors):
-            if tensor is None:
-                continue
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{self._describe_direction('send')}: entry {index} is a {type(tensor).__name__}, not a tensor")
-            if tensor.device != self.device:
-                raise ValueError(
-                    f"{self._describe_direction('send')}: tensors[{index}] is on {tensor.device}, "
-                    f"but this channel carries tensors on {self.device}"
-                )
-            present.append(tensor.detach().contiguous())
-        return _describe(tensors), present
-
-    def _allocate(self, meta: Meta) -> list:
-        return [None if entry is None else torch.empty(entry[1], dtype=entry[0], device=self.device) for entry in meta]
+    def _post_receive(self, buffer: torch.Tensor, tag: int, seq: int, part: str) -> tuple:
+        return buffer, self._post(self._control, buffer, tag, f"the {part} of message {seq}", "receive")
 
     def _recv(self):
         seq = self._recv_seq
         if self._peer_gone is not None:
             raise ProtocolError(f"{self._describe_direction('receive')}: cannot receive message {seq}: {self._peer_gone}")
-        header = self._receive(torch.empty(2, dtype=torch.int64, device=self._wire_device), seq, "header")
-        meta_length, payload_length = header.tolist()
-        if meta_length == _ABORT_MARK:
-            reason = self._receive(torch.empty(payload_length, dtype=torch.uint8, device=self._wire_device), seq, "reason")
-            self._peer_gone = f"peer rank {self.peer_rank} aborted the channel: {_decode(reason)}"
+        if self._header is None:
+            self._header = self._post_receive(torch.empty(_C.FRAME_HEADER_FIELDS, dtype=torch.int64), _HEADER_TAG, seq,
+                                              "header")
+        header = self._await(self._header, seq, "header")
+        self._header = None
+        kind, follow, payload_bytes = self._codec.read_header(header)
+        if kind == "abort":
+            reason = _decode(self._await(self._post_receive(torch.empty(follow, dtype=torch.uint8), _META_TAG, seq,
+                                                            "reason"), seq, "reason"))
+            self._peer_gone = f"peer rank {self.peer_rank} aborted the channel: {reason}"
             raise ProtocolError(f"{self._describe_direction('receive')}: {self._peer_gone} (rank {self.rank} was waiting "
                                 f"to receive message {seq})")
         if self._closed:
             raise ProtocolError(f"{self._describe_direction('receive')}: rank {self.rank} stopped waiting to receive "
                                 f"message {seq}: another thread closed the channel")
-        if meta_length:
-            meta_buffer = self._receive(torch.empty(meta_length, dtype=torch.uint8, device=self._wire_device), seq, "metadata")
-            self._received_meta = pickle.loads(meta_buffer.cpu().numpy().tobytes())
-        if self._received_meta is None:
-            raise ProtocolError(f"{self._describe_direction('receive')}: message {seq} arrived before any metadata")
-        outs = self._allocate(self._received_meta)
-        present = [tensor for tensor in outs if tensor is not None]
-        expected_length = pipecomm.packed_nbytes(present)
-        if payload_length != expected_length:
-            raise ProtocolError(
-                f"{self._describe_direction('receive')}: message {seq} has a {payload_length}-byte payload but its "
-                f"metadata needs {expected_length} bytes (the two ends are out of step)"
-            )
-        if payload_length:
-            payload = self._receive(torch.empty(payload_length, dtype=torch.uint8, device=self._wire_device), seq, "payload")
-            pipecomm.unpack_(payload.to(self.device), present)
+        # The next header's receive goes out now, so that the peer's send of it finds it posted.
+        self._header = self._post_receive(torch.empty(_C.FRAME_HEADER_FIELDS, dtype=torch.int64), _HEADER_TAG, seq + 1,
+                                          "header")
+        meta = self._await(self._post_receive(torch.empty(follow, dtype=torch.uint8), _META_TAG, seq, "metadata"), seq,
+                           "metadata") if follow else None
+        message = self._codec.allocate(meta, payload_bytes)
+        payload = self._nccl_payload(payload_bytes, seq) if self._nccl else self._host_payload(payload_bytes, seq)
+        if payload is not None:
+            self._codec.unpack_payload(payload)
         self._recv_seq += 1
-        return tuple(outs)
+        return message
 
-    def _receive(self, buffer, seq, part):
-        what = f"rank {self.rank} was waiting to receive the {part} of message {seq}"
-        try:
-            work = dist.irecv(buffer, self.peer_rank, group=self._group, tag=self._tag)
-        except RuntimeError as error:
-            raise self._failure(error, what, "receive") from error
-        self._wait(work, what, "receive")
+    def _nccl_payload(self, payload_bytes: int, seq: int) -> torch.Tensor | None:
+        if not payload_bytes:
+            return None
+        payload = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
+        self._post(self._incoming, payload, _PAYLOAD_TAG, f"the payload of message {seq}", "receive").wait()
+        return payload  # the wait above only ordered this stream after the receive: the host goes on
+
+    def _host_payload(self, payload_bytes: int, seq: int) -> torch.Tensor | None:
+        """Over gloo, a payload of 1 to n bytes, n the last one's size, arrives in the slot posted for it, else on its own."""
+        payload = None
+        if self._slot is not None:
+            slot, self._slot = self._slot, None
+            received = self._await(slot, seq, "payload")
+            if _fits_slot(payload_bytes, received.numel()):
+                payload = received[:payload_bytes]
+        if payload is None and payload_bytes:
+            payload = self._await(self._post_receive(torch.empty(payload_bytes, dtype=torch.uint8), _PAYLOAD_TAG, seq,
+                                                     "payload"), seq, "payload")
+        if payload_bytes:
+            self._slot = self._post_receive(torch.empty(payload_bytes, dtype=torch.uint8), _SLOT_TAG, seq + 1, "payload")
+        return payload
+
+    def _await(self, posted: tuple, seq: int, part: str) -> torch.Tensor:
+        buffer, work = posted
+        self._wait(work, f"rank {self.rank} was waiting to receive the {part} of message {seq}", "receive")
         return buffer
 
     def _wait(self, work, what, direction):
@@ -548,7 +596,10 @@ class DistChannel(Channel):
         text = str(error)
         channel = self._describe_direction(direction)
         if any(sign in text for sign in _PEER_GONE_SIGNS):
-            self._peer_gone = f"peer rank {self.peer_rank} died or closed its connection"
+            if self._rendezvous.peer_has("closed"):
+                self._peer_gone = f"peer rank {self.peer_rank} closed the channel"
+                return ProtocolError(f"{channel}: {self._peer_gone} while {what}")
+            self._peer_gone = f"peer rank {self.peer_rank} died"
             return PeerDiedError(f"{channel}: {self._peer_gone} while {what} ({text})")
         if "timed out" in text.lower():
             return ChannelTimeoutError(f"{channel}: timed out after {self.timeout:g} s while {what} ({text})")
@@ -558,38 +609,67 @@ class DistChannel(Channel):
         return False  # no slots: every message's buffers are allocated for it
 
     def _close(self):
-        while self._in_flight and self._peer_gone is None:
-            seq, works, _ = self._in_flight.popleft()
-            for work in works:
-                self._wait(work, f"rank {self.rank} was waiting to send message {seq}", "send")
+        try:
+            while self._in_flight and self._peer_gone is None:
+                self._complete_oldest_send()
+        finally:
+            # Read by the peer when its connection closes: a close, not a death.
+            with contextlib.suppress(Exception):
+                self._rendezvous.set("closed", "1")
+            groups = [self._control] if self._outgoing is self._control else [self._control, self._outgoing, self._incoming]
+            for group in groups:
+                with contextlib.suppress(Exception):
+                    group.shutdown()
+            # Never destroyed: a gloo group or receive destroyed while the interpreter finalizes can abort the process.
+            keep_forever([*groups, *(self._header or ()), *(self._slot or ())])
 
     def _signal_abort(self, reason):
         if self._peer_gone is not None:
             return  # it receives nothing more
-        data = reason.encode()[:_ABORT_REASON_BYTES]  # never empty: abort() gives a reason
-        parts = [
-            torch.tensor([_ABORT_MARK, len(data)], dtype=torch.int64).to(self._wire_device),
-            torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._wire_device),
-        ]
-        works = [dist.isend(part, self.peer_rank, group=self._group, tag=self._tag) for part in parts]
-        # Never waited for: a gloo wait that times out closes the connection every channel between the two ranks
-        # shares, and a thread left waiting at exit aborts the process. gloo's own thread sends it once the peer
-        # receives; until the process ends, the sends and their buffers stay here.
-        _unwaited_aborts.append((works, parts))
+        header, data = self._codec.encode_abort(reason)
+        works = [self._control.send([header], 1 - self._pair_rank, _HEADER_TAG),
+                 self._control.send([data], 1 - self._pair_rank, _META_TAG)]
+        # Never waited for: a thread left waiting in gloo at exit aborts the process. gloo's own thread sends
+        # them once the peer receives; until the process ends, the sends, their buffers and the group stay.
+        keep_forever([*works, header, data, self._control])
 
     def _abort(self, reason):
-        pass  # nothing to release: _signal_abort left the sends to gloo
+        if self._nccl:
+            # The peer will not post receives for sends this end queued: ncclCommAbort frees this GPU of them.
+            for group in (self._outgoing, self._incoming):
+                with contextlib.suppress(Exception):
+                    group.abort()
 
 
-_unwaited_aborts: list = []
+# The gloo tags of a dist channel's parts: each is matched in order within its tag.
+_HEADER_TAG, _META_TAG, _SLOT_TAG, _PAYLOAD_TAG = 0, 1, 2, 3
+_FILLER = torch.empty(0, dtype=torch.uint8)  # what a slot gets when the payload does not go into it
+
+
+def _fits_slot(payload_bytes: int, slot_bytes: int) -> bool:
+    return 0 < payload_bytes <= slot_bytes
+
+
+def keep_forever(objects: Sequence) -> None:
+    """Keeps objects alive until the process ends, never destroyed: the tensors of a collective or send left
+    running, or a process group, which a gloo worker or the interpreter's finalization would otherwise free at
+    a moment that aborts the process (a worker holds no GIL; a group destroyed late joins its own threads)."""
+    for item in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(item))
+
+
+def _nccl_group(store, prefix: str, source: int, target: int, timeout: datetime.timedelta):
+    """A two-rank NCCL group that carries one direction of a channel: the sender is its rank 0."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    options.global_ranks_in_group = [source, target]
+    options.group_name = f"{prefix}/nccl/{source}to{target}"
+    own = 0 if dist.get_rank() == source else 1
+    return dist.ProcessGroupNCCL(dist.PrefixStore(options.group_name, store), own, 2, options)
 
 
 def _decode(reason: torch.Tensor) -> str:
-    return reason.cpu().numpy().tobytes().decode(errors="replace")
-
-
-def _describe(tensors: Sequence) -> Meta:
-    return tuple(None if tensor is None else (tensor.dtype, tuple(tensor.shape)) for tensor in tensors)
+    return reason.numpy().tobytes().decode(errors="replace")
 
 
 def _copy_into(message: tuple, out: Sequence, direction: str) -> None:
@@ -670,6 +750,13 @@ class _Rendezvous:
             f"{self.timeout.total_seconds():g} s waiting for rank {self.peer_rank} to publish {name!r} "
             f"(did it call connect({self.rank})?)"
         )
+
+    def peer_has(self, name: str) -> bool:
+        """Whether the peer published ``name``; False also when the store cannot be reached."""
+        try:
+            return self.store.check([f"{self.prefix}/{name}/{self.peer_rank}"])
+        except RuntimeError:
+            return False
 
     def exchange(self, name: str, value: str) -> str:
         self.set(name, value)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ranks import NEEDS_CUDA_REASON, needs_cuda
+from ranks import NEEDS_CUDA_REASON, NEEDS_TWO_GPUS_REASON, needs_cuda
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks every CUDA twin `cuda`, so a GPU machine runs exactly them with `pytest -m cuda`."""
     for item in items:
-        if any(mark.name == "skipif" and mark.kwargs.get("reason") == NEEDS_CUDA_REASON for mark in item.iter_markers()):
+        if any(mark.name == "skipif" and mark.kwargs.get("reason") in (NEEDS_CUDA_REASON, NEEDS_TWO_GPUS_REASON) for mark in item.iter_markers()):
             item.add_marker(pytest.mark.cuda)
 
 

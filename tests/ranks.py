@@ -19,16 +19,18 @@ import torch.distributed as dist
 import pipecomm
 
 
-def _entry(rank: int, world_size: int, store_path: str | int, results, fn, args) -> None:
+def _entry(rank: int, world_size: int, store_path: str | int, process_group: str, results, fn, args) -> None:
     # Ranks share the machine's cores: more threads each would only make them contend.
     torch.set_num_threads(1)
     try:
+        if "nccl" in process_group:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         if isinstance(store_path, int):  # a TCPStore on this port, hosted by rank 0's process
             store = dist.TCPStore("127.0.0.1", store_path, world_size, is_master=rank == 0,
                                   timeout=datetime.timedelta(seconds=60))
         else:
             store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(process_group, store=store, rank=rank, world_size=world_size)
         # Every rank is connected before any may finish: one that exits early would break a peer's connecting.
         dist.barrier()
         outcome = fn(rank, world_size, *args)
@@ -41,18 +43,19 @@ def _entry(rank: int, world_size: int, store_path: str | int, results, fn, args)
 
 
 def run_ranks(world_size: int, fn: Callable, tmp_path: Path, *args, timeout: float = 60.0, may_exit: frozenset = frozenset(),
-              tcp_store: bool = False) -> list:
+              tcp_store: bool = False, process_group: str = "gloo") -> list:
     """Runs fn(rank, world_size, *args) on world_size spawned ranks and returns their results by rank.
 
     Ranks in ``may_exit`` are allowed to exit without a result (a simulated crash); their result is
     their exit code. The ranks meet through a file, or with ``tcp_store`` through a TCPStore that
-    rank 0's process hosts (as torchrun's does), for tests where that process dies.
+    rank 0's process hosts (as torchrun's does), for tests where that process dies. ``process_group`` is
+    the default group's backend (``"cpu:gloo,cuda:nccl"`` for NCCL twins, one GPU per rank).
     """
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     store_path = free_port() if tcp_store else str(tmp_path / f"store-{os.getpid()}-{id(fn)}")
     processes = [
-        context.Process(target=_entry, args=(rank, world_size, store_path, results, fn, args), daemon=True)
+        context.Process(target=_entry, args=(rank, world_size, store_path, process_group, results, fn, args), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:
@@ -104,6 +107,10 @@ def free_port() -> int:
 
 NEEDS_CUDA_REASON = "needs a GPU and a CUDA build of pipecomm"  # conftest marks these tests `cuda`
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and pipecomm.cuda_built()), reason=NEEDS_CUDA_REASON)
+# NCCL cannot put two ranks on one GPU: these twins run on the multi-GPU machines.
+NEEDS_TWO_GPUS_REASON = "needs 2 GPUs and a CUDA build of pipecomm"
+needs_two_gpus = pytest.mark.skipif(not (torch.cuda.device_count() >= 2 and pipecomm.cuda_built()),
+                                    reason=NEEDS_TWO_GPUS_REASON)
 
 
 def rank_device(rank: int, kind: str) -> torch.device:

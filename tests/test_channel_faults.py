@@ -117,6 +117,34 @@ def test_a_killed_peer_is_reported_in_seconds(tmp_path, backend):
         assert aborting < ABORT_SECONDS, f"rank {rank}'s abort took {aborting:.2f} s"
 
 
+def closed_by_the_peer(rank: int, world_size: int, backend: str) -> float:
+    """Rank 0 sends two messages and closes; rank 1 receives them, then its next receive raises. Returns how long
+    after the close that took (rank 1)."""
+    store = dist.distributed_c10d._get_default_store()
+    channel = transport.connect(1 - rank, backend=backend, timeout=30)
+    if rank == 0:
+        channel.send([torch.arange(3)])
+        channel.send([torch.arange(4)])
+        store.wait(["receiving"])
+        store.set("closed_at", repr(time.monotonic()))
+        channel.close()
+        return 0.0
+    assert channel.recv()[0].tolist() == [0, 1, 2]
+    assert channel.recv()[0].tolist() == [0, 1, 2, 3]
+    store.set("receiving", "1")
+    with pytest.raises(transport.ProtocolError, match="rank 0 -> rank 1: peer rank 0 closed the channel"):
+        channel.recv()
+    woke = time.monotonic()
+    channel.close()
+    return woke - float(store.get("closed_at"))
+
+
+@pytest.mark.parametrize("backend", ["shm", "dist"])
+def test_a_receive_after_the_peer_closed_raises_at_once(tmp_path, backend):
+    _, woke = run_ranks(2, closed_by_the_peer, tmp_path, backend)
+    assert woke < DETECTION_SECONDS, f"rank 1 raised {woke:.2f} s after the close"
+
+
 def overlapping_threads(rank: int, world_size: int, backend: str, kind: str, rounds: int) -> list:
     """Per round: one thread of rank 0 sends growing messages while another receives on the same
     channel, rank 1 echoing; once they overlap, rank 0's main thread aborts (even rounds) or closes

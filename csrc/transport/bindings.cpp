@@ -8,6 +8,7 @@ namespace py = pybind11;
 namespace pipecomm::transport {
 
 void register_shm_channel(py::module_& module);
+void register_message_codec(py::module_& module);
 #ifdef PIPECOMM_WITH_CUDA
 void register_ipc_channel(py::module_& module);
 #endif
@@ -64,6 +65,7 @@ void register_bindings(py::module_& module) {
     }
   });
   register_shm_channel(module);
+  register_message_codec(module);
 #ifdef PIPECOMM_WITH_CUDA
   register_ipc_channel(module);
 #endif

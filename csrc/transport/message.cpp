@@ -120,14 +120,25 @@ std::string encode(const MessageMeta& meta) {
 
 MessageMeta decode(const std::string& bytes, const std::string& direction) {
   size_t offset = 0;
-  MessageMeta meta(take<uint32_t>(bytes, offset, direction));
+  const auto count = take<uint32_t>(bytes, offset, direction);
+  // Each entry takes at least a byte: a larger count is corrupt, and would be a huge allocation here.
+  if (count > bytes.size() - offset) throw ProtocolError(direction + ": truncated metadata message");
+  MessageMeta meta(count);
   for (EntryMeta& entry : meta) {
     entry.present = take<uint8_t>(bytes, offset, direction) != 0;
     if (!entry.present) continue;
-    entry.dtype = static_cast<at::ScalarType>(take<int8_t>(bytes, offset, direction));
+    const auto dtype = take<int8_t>(bytes, offset, direction);
+    if (dtype < 0 || dtype >= static_cast<int8_t>(at::ScalarType::NumOptions)) {
+      throw ProtocolError(direction + ": metadata names unknown dtype " + std::to_string(dtype));
+    }
+    entry.dtype = static_cast<at::ScalarType>(dtype);
     entry.sizes.resize(take<uint8_t>(bytes, offset, direction));
-    for (int64_t& size : entry.sizes) size = take<int64_t>(bytes, offset, direction);
+    for (int64_t& size : entry.sizes) {
+      size = take<int64_t>(bytes, offset, direction);
+      if (size < 0) throw ProtocolError(direction + ": metadata has a negative size");
+    }
   }
+  if (offset != bytes.size()) throw ProtocolError(direction + ": metadata message has trailing bytes");
   return meta;
 }
 
