@@ -10,6 +10,7 @@ from pipecomm.failure import PeerFailedError
 from pipecomm.parallel import ParallelContext, init
 from pipecomm.partition import StageModule, merge_checkpoints, split
 from pipecomm.pipeline import Pipeline
+from pipecomm.schedule import make_schedule, simulate
 
 try:
     __version__ = version("pipecomm")
@@ -25,9 +26,11 @@ __all__ = [
     "build_info",
     "cuda_built",
     "init",
+    "make_schedule",
     "merge_checkpoints",
     "pack",
     "packed_nbytes",
+    "simulate",
     "split",
     "unpack_",
 ]

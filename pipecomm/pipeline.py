@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipecomm import boundary, microbatch, transport
+from pipecomm import _C, boundary, microbatch, transport
 from pipecomm.capture import CapturedStage
 from pipecomm.device_timing import DeviceTimeline
 from pipecomm.executor import GradientSink, StageExecutor, naming_transfer
 from pipecomm.failure import Collective, FailureNotes, PeerFailedError, describe
 from pipecomm.grad_sync import DataParallelGrads, SharedParameters
 from pipecomm.partition import StageModule
-from pipecomm.schedule import SCHEDULES, Schedule, make_schedule, validate
+from pipecomm.schedule import SCHEDULES, Schedule, looped_placement, make_schedule, validate
 from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
 from pipecomm.transport import ChannelError, keep_forever
 
@@ -45,8 +45,10 @@ class Pipeline:
     stage's ``loss_fn(output, *targets)`` the model's output. Only tensors that require grad on the
     sending stage require grad on the receiving one and get a gradient sent back.
 
-    ``module``/``stage`` are one module and its stage index, or lists of them for interleaved
-    schedules (rank r holds stages r, r + p, r + 2p, ...). ``group`` is the pipeline's process
+    ``module``/``stage`` are one module and its stage index, or lists of them for schedules with
+    several stages per rank (interleaved-1f1b: rank r holds stages r, r + p, r + 2p, ...; zb-v: r
+    and 2p - 1 - r). ``schedule`` is a name of ``pipecomm.schedule.SCHEDULES`` or a ``Schedule``
+    (``pipecomm.make_schedule``, e.g. zb-v built for measured costs). ``group`` is the pipeline's process
     group, ordered by stage (default: the whole world); ``data_group`` holds this stage's
     data-parallel replicas, whose gradients are averaged (``pipecomm.init`` makes both).
     Parameters that ``pipecomm.split`` found shared between stages (a tied embedding and LM head)
@@ -76,7 +78,7 @@ class Pipeline:
         num_stages: int,
         loss_fn: Callable,
         micro_batches: int,
-        schedule: str = "1f1b",
+        schedule: str | Schedule = "1f1b",
         group: dist.ProcessGroup | None = None,
         data_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
@@ -101,8 +103,10 @@ class Pipeline:
         self._undo_deferral: Callable[[], None] = lambda: None
         self._loss_wire: torch.Tensor | None = None
         with self._failing_fast("building the Pipeline"):
-            _check_configuration(modules, stages, num_stages, self.num_ranks, self.rank, schedule)
-            self.schedule: Schedule = make_schedule(schedule, self.num_ranks, micro_batches, len(stages))
+            _check_configuration(modules, stages, num_stages, self.num_ranks, schedule)
+            self.schedule: Schedule = (schedule if isinstance(schedule, Schedule)
+                                       else make_schedule(schedule, self.num_ranks, micro_batches, len(stages)))
+            _check_schedule(self.schedule, stages, self.rank, micro_batches)
             validate(self.schedule)
             _check_channel_order(self.schedule)
             self.num_stages = num_stages
@@ -434,25 +438,41 @@ class Pipeline:
         return torch.device("cpu")
 
     def _broadcast_from_last(self, result):
-        """The last stage's inference output on every rank: its layout and tensor shapes as pickled bytes, then
-        each tensor."""
+        """The last stage's inference output on every rank, as three broadcasts: the channels' frame header (with the
+        layout's length), the tensors' metadata with the output's layout, and the packed payload."""
         wire = self._wire_device()
+        codec = _C.MessageCodec(str(self.device), "the inference output", "the inference output")
         last = self.rank == self._last_rank
-        flat = boundary.flatten(result) if last else None
-        encoded = boundary.serialize(flat.layout, [(tuple(tensor.shape), tensor.dtype) for tensor in flat.tensors],
-                                     "the inference output") if last else b""
-        size = torch.tensor([len(encoded)], dtype=torch.int64, device=wire)
-        self._broadcast(size, "the size of the inference output's layout")
-        data = (torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(wire) if encoded
-                else torch.empty(int(size.item()), dtype=torch.uint8, device=wire))
-        self._broadcast(data, "the inference output's layout")
-        layout, shapes = boundary.deserialize(data.cpu().numpy().tobytes())
-        tensors = []
-        for index, (shape, dtype) in enumerate(shapes):
-            buffer = flat.tensors[index].to(wire) if last else torch.empty(shape, dtype=dtype, device=wire)
-            self._broadcast(buffer, f"tensor {index} of the inference output")
-            tensors.append(buffer.to(self.device))
+        if last:
+            flat = boundary.flatten(result)
+            header, meta, payload = codec.encode(flat.tensors)
+            layout = boundary.serialize(flat.layout, None, "the inference output")
+            sizes = torch.cat([header, torch.tensor([len(layout)])])
+            described = torch.cat([meta, torch.frombuffer(bytearray(layout), dtype=torch.uint8)])
+        else:
+            sizes = torch.zeros(_C.FRAME_HEADER_FIELDS + 1, dtype=torch.int64)
+        sizes = self._broadcast_host(sizes, wire, "the inference output's header")
+        _, meta_bytes, payload_bytes = codec.read_header(sizes[:-1])
+        if not last:
+            described = torch.empty(meta_bytes + int(sizes[-1]), dtype=torch.uint8)
+        described = self._broadcast_host(described, wire, "the inference output's layout")
+        if last:
+            if payload_bytes:
+                self._broadcast(payload.to(wire), "the inference output's tensors")
+            return result
+        tensors = codec.allocate(described[:meta_bytes], payload_bytes)
+        if payload_bytes:
+            payload = torch.empty(payload_bytes, dtype=torch.uint8, device=wire)
+            self._broadcast(payload, "the inference output's tensors")
+            codec.unpack_payload(payload)
+        layout, _ = boundary.deserialize(described[meta_bytes:].numpy().tobytes())
         return boundary.unflatten(tensors, layout)
+
+    def _broadcast_host(self, tensor: torch.Tensor, wire: torch.device, what: str) -> torch.Tensor:
+        """A broadcast of host data, read back on the host."""
+        tensor = tensor.to(wire)
+        self._broadcast(tensor, what)
+        return tensor.cpu()
 
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
         """From the last stage's rank to every rank of the pipeline."""
@@ -528,9 +548,13 @@ _previous_excepthook = sys.excepthook
 sys.excepthook = _fail_live_pipelines
 
 
-def _check_configuration(modules, stages, num_stages, num_ranks, rank, schedule) -> None:
+def _check_configuration(modules, stages, num_stages, num_ranks, schedule) -> None:
     """Every misconfiguration is a ValueError here, before any communication."""
-    if schedule not in SCHEDULES:
+    if isinstance(schedule, Schedule):
+        if schedule.num_ranks != num_ranks:
+            raise ValueError(f"Pipeline: the schedule {schedule.name!r} is for {schedule.num_ranks} ranks, but the "
+                             f"pipeline group has {num_ranks}")
+    elif schedule not in SCHEDULES:
         raise ValueError(f"Pipeline: unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
     if len(modules) != len(stages):
         raise ValueError(f"Pipeline: got {len(modules)} modules but {len(stages)} stage indices")
@@ -546,12 +570,21 @@ def _check_configuration(modules, stages, num_stages, num_ranks, rank, schedule)
             raise ValueError(f"Pipeline: the module given as stage {stage} of {num_stages} is stage "
                              f"{module.stage_index} of {module.num_stages} as pipecomm.split made it; split the model "
                              "into as many stages as the Pipeline has, and pass each rank its own")
-    expected = [rank + chunk * num_ranks for chunk in range(len(stages))]
+
+
+def _check_schedule(schedule: Schedule, stages, rank: int, micro_batches: int) -> None:
+    """A schedule given as a Schedule must fit this Pipeline, and every schedule the stages this rank got."""
+    if schedule.micro_batches != micro_batches or schedule.num_stages != len(stages) * schedule.num_ranks:
+        raise ValueError(f"Pipeline: the schedule {schedule.name!r} runs {schedule.micro_batches} micro-batches of "
+                         f"{schedule.num_stages} stages, but the Pipeline has micro_batches={micro_batches} and "
+                         f"{len(stages)} stages per rank")
+    expected = list(schedule.stages_of(rank))
     if sorted(stages) != expected:
-        raise ValueError(
-            f"Pipeline: rank {rank} of {num_ranks} holds stages {expected} (stage s runs on rank s % {num_ranks}), "
-            f"got {sorted(stages)}"
-        )
+        where = ("stage s runs on rank s % num_ranks" if schedule.placement == looped_placement(schedule.num_ranks,
+                                                                                                 schedule.num_stages)
+                 else f"{schedule.name!r} places stages on ranks as {list(schedule.placement)}")
+        raise ValueError(f"Pipeline: rank {rank} of {schedule.num_ranks} holds stages {expected} ({where}; "
+                         f"make_schedule(...).stages_of(rank) tells), got {sorted(stages)}")
 
 
 def _check_channel_order(schedule: Schedule) -> None:

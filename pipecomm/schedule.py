@@ -9,6 +9,8 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from pipecomm.list_scheduling import build_orders
+
 __all__ = [
     "COMMUNICATION_KINDS",
     "COMPUTE_KINDS",
@@ -24,14 +26,19 @@ __all__ = [
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMMUNICATION_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
 DEFAULT_COSTS: Mapping[str, float] = types.MappingProxyType(
     {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "SEND_F": 0.0, "RECV_F": 0.0, "SEND_B": 0.0, "RECV_B": 0.0}
 )
 
 # Schedules that run a steady state need every rank to have finished its warm-up before the first
 # backward reaches it (MindFormers' micro_batch_num >= stages).
-_NEEDS_MICRO_BATCHES_PER_RANK = ("1f1b", "interleaved-1f1b", "zb-h1")
+_NEEDS_MICRO_BATCHES_PER_RANK = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
+# Built by list scheduling (pipecomm.list_scheduling) at unit costs: (placement, peak activations in 1f1b's units).
+_LIST_SCHEDULED = {
+    "zb-h2": (lambda num_ranks: looped_placement(num_ranks, num_ranks), 2.0),
+    "zb-v": (lambda num_ranks: v_placement(num_ranks), 1.0),
+}
 
 
 @dataclass(frozen=True)
@@ -63,19 +70,44 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """What every rank runs, in order. Placement is looped: stage s lives on rank s % num_ranks."""
+    """What every rank runs, in order, and which rank holds each stage.
+
+    ``placement[s]`` is the rank of stage s; left empty it is looped (stage s on rank s % num_ranks).
+    The V placement of ZB-V puts stages r and 2 * num_ranks - 1 - r on rank r.
+    """
 
     name: str
     num_ranks: int
     num_stages: int
     micro_batches: int
     actions: tuple[tuple[Action, ...], ...]  # actions[rank], in execution order
+    placement: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.placement:
+            object.__setattr__(self, "placement", looped_placement(self.num_ranks, self.num_stages))
+        if len(self.placement) != self.num_stages or not all(0 <= rank < self.num_ranks for rank in self.placement):
+            raise ValueError(f"Schedule: placement {self.placement} must give each of {self.num_stages} stages a rank "
+                             f"in [0, {self.num_ranks})")
 
     def stage_rank(self, stage: int) -> int:
-        return stage % self.num_ranks
+        return self.placement[stage]
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(range(rank, self.num_stages, self.num_ranks))
+        return tuple(stage for stage, holder in enumerate(self.placement) if holder == rank)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // self.num_ranks
+
+
+def looped_placement(num_ranks: int, num_stages: int) -> tuple[int, ...]:
+    return tuple(stage % num_ranks for stage in range(num_stages))
+
+
+def v_placement(num_ranks: int) -> tuple[int, ...]:
+    """Two stages per rank, down the ranks and back: rank r holds stages r and 2 * num_ranks - 1 - r."""
+    return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
 
 
 @dataclass(frozen=True)
@@ -87,29 +119,50 @@ class SimulationResult:
     busy_time: tuple[float, ...]  # per rank
     # Per rank, the most (stage, micro-batch) pairs whose F has run and whose B (or W) has not.
     peak_activations: tuple[int, ...]
+    # The same in units of one rank's share of the model (a 1f1b stage's activations of one micro-batch): a
+    # pair counts 1/v on a schedule with v stages per rank. 1f1b's rank 0 peaks at num_ranks.
+    peak_memory: tuple[float, ...]
     timeline: tuple[tuple[tuple[float, float, Action], ...], ...]  # per rank: (start, end, action) of compute
 
 
-def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
+def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages: int | None = None, *,
+                  costs: Mapping[str, float] | None = None) -> Schedule:
     """Builds the named schedule with its communication actions placed.
 
     "gpipe": every forward in micro-batch order, then every backward in the same order (as
     torch.distributed.pipelining's ScheduleGPipe). "1f1b": Megatron's non-interleaved schedule
     (PipeDream-flush). "interleaved-1f1b": Megatron's forward_backward_pipelining_with_interleaving,
     ``virtual_stages`` model chunks per rank. "zb-h1": ZB-H1 of Qi et al., "Zero Bubble Pipeline
-    Parallelism" (ICLR 2024), the backward split into I and W.
+    Parallelism" (ICLR 2024), the backward split into I and W. "zb-h2": the same split with up to
+    twice 1F1B's activations, so that rank r's warm-up covers the wait for its first gradient.
+    "zb-v": ZB-V, two stages per rank placed in a V (rank r holds stages r and 2 * num_ranks - 1 - r;
+    ``Schedule.stages_of`` tells), at 1F1B's peak activation memory. zb-h2 and zb-v are built by
+    list scheduling (``pipecomm.list_scheduling``) for ``costs`` (F, I and W of one rank's share, as
+    ``simulate`` takes them; default F = I = W): an order built for equal costs can lose much of its
+    gain where I costs more than F, so give measured costs where they are known.
 
-    Every RECV sits immediately before the compute that consumes it and every SEND immediately
-    after the compute that produces it.
+    ``virtual_stages`` (stages per rank) defaults to 2 for zb-v and 1 otherwise; interleaved-1f1b
+    needs it given. Every RECV sits immediately before the compute that consumes it and every SEND
+    immediately after the compute that produces it.
     """
+    if virtual_stages is None:
+        virtual_stages = 2 if name == "zb-v" else 1
     _check_schedule_arguments(name, num_ranks, micro_batches, virtual_stages)
     num_stages = num_ranks * virtual_stages
-    compute_order = _COMPUTE_ORDERS[name]
-    actions = tuple(
-        _with_communication(compute_order(rank, num_ranks, micro_batches, virtual_stages), num_stages)
-        for rank in range(num_ranks)
-    )
-    return Schedule(name, num_ranks, num_stages, micro_batches, actions)
+    if name in _LIST_SCHEDULED:
+        make_placement, memory = _LIST_SCHEDULED[name]
+        placement = make_placement(num_ranks)
+        pass_costs = {kind: (1.0 if costs is None else float(costs[kind])) / virtual_stages for kind in ("F", "I", "W")}
+        orders = build_orders(placement, micro_batches, pass_costs, memory * num_ranks)
+        compute_orders = [[Action(*compute) for compute in order] for order in orders]
+    else:
+        if costs is not None:
+            raise ValueError(f"make_schedule: costs shape only the list-scheduled zb-h2 and zb-v, not {name!r}")
+        placement = looped_placement(num_ranks, num_stages)
+        compute_orders = [_COMPUTE_ORDERS[name](rank, num_ranks, micro_batches, virtual_stages)
+                          for rank in range(num_ranks)]
+    actions = tuple(_with_communication(order, num_stages) for order in compute_orders)
+    return Schedule(name, num_ranks, num_stages, micro_batches, actions, placement)
 
 
 def validate(schedule: Schedule, buffer_slots: int = 4) -> None:
@@ -136,7 +189,9 @@ def simulate(
     """Runs the schedule event by event, with the blocking rules of ``validate``.
 
     ``costs`` maps an action kind to its duration (kinds left out keep ``DEFAULT_COSTS``: F=1, B=2,
-    I=1, W=1, transfers 0) or is a function of the whole action, called for transfers too. A message
+    I=1, W=1, transfers 0) or is a function of the whole action, called for transfers too. A compute
+    cost is that of one rank's share of the model (what a 1f1b stage computes): on a schedule with v
+    stages per rank each pass takes 1/v of it, so that every schedule of one model compares. A message
     can be received ``comm_time`` after its SEND completes. ``buffer_slots=None`` never blocks a SEND.
     Raises ValueError for a malformed schedule and for a deadlock, as ``validate`` does.
     """
@@ -145,16 +200,24 @@ def simulate(
     if buffer_slots is not None and buffer_slots < 1:
         raise ValueError(f"simulate: buffer_slots must be >= 1 or None, got {buffer_slots}")
     _check_structure(schedule)
-    timeline, finish_times = _execute(schedule, _duration_function(costs), comm_time, buffer_slots)
+    duration = _duration_function(costs)
+    share = 1.0 / schedule.stages_per_rank
+
+    def scaled(action: Action) -> float:
+        return duration(action) * share if action.is_compute else duration(action)
+
+    timeline, finish_times = _execute(schedule, scaled, comm_time, buffer_slots)
     step_time = max(finish_times)
     busy_time = tuple(sum(end - start for start, end, _ in rank_timeline) for rank_timeline in timeline)
     # A schedule of zero-cost actions takes no time and so wastes none.
     bubble_fraction = 1.0 - sum(busy_time) / (schedule.num_ranks * step_time) if step_time > 0 else 0.0
+    peaks = tuple(_peak_activations(program) for program in schedule.actions)
     return SimulationResult(
         step_time=step_time,
         bubble_fraction=bubble_fraction,
         busy_time=busy_time,
-        peak_activations=tuple(_peak_activations(program) for program in schedule.actions),
+        peak_activations=peaks,
+        peak_memory=tuple(peak * share for peak in peaks),
         timeline=tuple(tuple(rank_timeline) for rank_timeline in timeline),
     )
 
@@ -182,6 +245,10 @@ def _check_schedule_arguments(name: str, num_ranks: int, micro_batches: int, vir
                 f"make_schedule: 'interleaved-1f1b' needs micro_batches to be a multiple of num_ranks, "
                 f"got micro_batches={micro_batches}, num_ranks={num_ranks}"
             )
+    elif name == "zb-v":
+        if virtual_stages != 2:
+            raise ValueError(f"make_schedule: 'zb-v' runs two stages per rank and needs virtual_stages == 2, "
+                             f"got {virtual_stages}")
     elif virtual_stages != 1:
         raise ValueError(
             f"make_schedule: {name!r} runs one stage per rank and needs virtual_stages == 1, got {virtual_stages}"

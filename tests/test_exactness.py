@@ -23,7 +23,7 @@ SEQ = 3
 STEPS = 3
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 # Every schedule with the fewest ranks that exercise it: (schedule, stages per rank).
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zb-h2", 1), ("zb-v", 2))
 
 
 def mse(output, target):
@@ -60,7 +60,7 @@ def train_like_one_process(rank, world_size, build, make_batch, loss_fn, schedul
         torch.manual_seed(0)
         stages = build(num_stages)
         reference = copy.deepcopy(stages)
-        mine = [rank + chunk * world_size for chunk in range(chunks)]
+        mine = list(pipecomm.make_schedule(schedule, world_size, micro_batches, chunks).stages_of(rank))
         modules = [stages[s].to(device) for s in mine]
         modules = [torch.compile(module, backend="aot_eager") if compiled else module for module in modules]
         pipe = pipecomm.Pipeline(modules, stage=mine, num_stages=num_stages, loss_fn=loss_fn,

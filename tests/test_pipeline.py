@@ -77,7 +77,7 @@ def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_b
     for module in stages:
         module.to(device)
     tolerance = dict(rtol=1e-5, atol=1e-6) if kind == "cpu" else dict(rtol=1e-4, atol=1e-5)
-    mine = [rank + chunk * world_size for chunk in range(virtual)]
+    mine = list(pipecomm.make_schedule(schedule, world_size, micro_batches, virtual).stages_of(rank))
     modules = [stages[s] for s in mine]
     pipe = pipecomm.Pipeline(
         modules if virtual > 1 else modules[0],
@@ -123,6 +123,10 @@ def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_b
         ("1f1b", 4, 1, 8, "cpu"),
         ("zb-h1", 4, 1, 8, "cpu"),
         ("interleaved-1f1b", 4, 2, 8, "cpu"),
+        ("zb-h2", 2, 1, 4, "cpu"),
+        ("zb-v", 2, 2, 4, "cpu"),
+        ("zb-h2", 4, 1, 8, "cpu"),
+        ("zb-v", 4, 2, 8, "cpu"),
         pytest.param("1f1b", 2, 1, 4, "cuda", marks=needs_cuda),
         pytest.param("zb-h1", 2, 1, 4, "cuda", marks=needs_cuda),
         pytest.param("interleaved-1f1b", 2, 2, 4, "cuda", marks=needs_cuda),
@@ -163,6 +167,41 @@ def test_inference_with_and_without_broadcast_and_a_trace(tmp_path):
     events = json.load(open(trace_path))["traceEvents"]
     assert {event["pid"] for event in events} == {0, 1}
     assert any(event["name"].startswith("F") for event in events)
+
+
+class _DictHead(nn.Module):
+    """A last stage whose output is a structure: tensors of two dtypes, an empty one, None and plain values."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 3)
+
+    def forward(self, hidden):
+        logits = self.proj(hidden)
+        return {"logits": logits, "argmax": logits.argmax(-1), "empty": logits[:0], "aux": None,
+                "meta": ("tokens", 2)}
+
+
+def structured_inference(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(4, 6), nn.Tanh()), _DictHead()]
+    pipe = pipecomm.Pipeline(stages[rank], stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=2,
+                             timeout=60)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = stages[1](stages[0](x))
+    for _ in range(2):  # the second with the same layout
+        output = pipe.forward(x, broadcast_result=True)
+        assert output.keys() == expected.keys() and output["aux"] is None and output["meta"] == ("tokens", 2)
+        for key in ("logits", "argmax", "empty"):
+            assert output[key].dtype == expected[key].dtype, key
+            torch.testing.assert_close(output[key], expected[key], rtol=0, atol=0)
+    pipe.close()
+    return "ok"
+
+
+def test_a_structured_inference_output_is_broadcast_exactly(tmp_path):
+    assert run_ranks(2, structured_inference, tmp_path) == ["ok", "ok"]
 
 
 def clipping(rank: int, world_size: int) -> float:
@@ -331,7 +370,13 @@ def test_a_peer_stalled_before_the_loss_broadcast_times_out_naming_it(tmp_path):
     assert run_ranks(2, stalled_before_the_loss_broadcast, tmp_path) == ["ok", "ok"]
 
 
-@pytest.mark.parametrize(("schedule", "chunks"), [("1f1b", 1), ("interleaved-1f1b", 2)])
+ZB_COSTS = {"F": 2.95, "I": 4.85, "W": 2.25}
+
+
+@pytest.mark.parametrize(("schedule", "chunks"), [
+    ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2),
+    (pipecomm.make_schedule("zb-v", 1, 4, costs=ZB_COSTS), 2), (pipecomm.make_schedule("zb-h2", 1, 4), 1),
+], ids=["1f1b", "interleaved-1f1b", "zb-v", "zb-v-for-costs", "zb-h2-schedule"])
 def test_one_process_pipeline_without_torch_distributed(schedule, chunks):
     """A pipeline of one rank (its chunks hand over through a loopback) is plain gradient accumulation."""
     stages = build_stages(chunks)
@@ -346,3 +391,13 @@ def test_one_process_pipeline_without_torch_distributed(schedule, chunks):
     for module, ref_module in zip(stages, reference):
         for param, ref_param in zip(module.parameters(), ref_module.parameters()):
             torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_schedule_that_does_not_fit_the_pipeline_is_refused():
+    stages = build_stages(2)
+    with pytest.raises(ValueError, match="runs 4 micro-batches of 2 stages, but the Pipeline has micro_batches=2"):
+        pipecomm.Pipeline(stages, stage=[0, 1], num_stages=2, loss_fn=loss_fn, micro_batches=2,
+                          schedule=pipecomm.make_schedule("zb-v", 1, 4))
+    with pytest.raises(ValueError, match="the schedule 'zb-v' is for 2 ranks, but the pipeline group has 1"):
+        pipecomm.Pipeline(stages, stage=[0, 1], num_stages=2, loss_fn=loss_fn, micro_batches=4,
+                          schedule=pipecomm.make_schedule("zb-v", 2, 4))

@@ -43,8 +43,9 @@ def with_program(schedule: Schedule, rank: int, program: str) -> Schedule:
 def generated_schedules():
     for num_ranks in range(1, 9):
         for micro_batches in range(num_ranks, 3 * num_ranks + 1):
-            for name in ("gpipe", "1f1b", "zb-h1"):
+            for name in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
                 yield name, num_ranks, micro_batches, 1
+            yield "zb-v", num_ranks, micro_batches, 2
             if micro_batches % num_ranks == 0:
                 for virtual_stages in (2, 3):
                     yield "interleaved-1f1b", num_ranks, micro_batches, virtual_stages
@@ -64,7 +65,7 @@ def test_placement_is_looped():
     assert [schedule.stage_rank(stage) for stage in range(6)] == [0, 1, 0, 1, 0, 1]
     assert schedule.stages_of(0) == (0, 2, 4)
     assert schedule.stages_of(1) == (1, 3, 5)
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
 
 
 def test_gpipe_two_ranks_three_micro_batches():
@@ -174,11 +175,12 @@ def test_gpipe_and_1f1b_bubble(name, num_ranks, micro_batches):
     [(1, 3, 2), (2, 2, 2), (2, 4, 2), (3, 6, 3), (4, 4, 2), (4, 8, 2), (8, 16, 3)],
 )
 def test_interleaved_1f1b_bubble(num_ranks, micro_batches, virtual_stages):
-    # Each chunk costs F=1, B=2 and each rank runs v*m of them. Fill and drain still cost one chunk
-    # pass per rank boundary, (p - 1)(F + B): the step is (v*m + p - 1)(F + B) and the bubble
-    # (p - 1) / (v*m + p - 1), Megatron's (p - 1) / (v*m) of ideal time as a fraction of the step.
+    # A rank's share costs F=1, B=2, so each of its v chunks F=1/v, B=2/v, and each rank runs v*m chunk
+    # passes. Fill and drain still cost one chunk pass per rank boundary, (p - 1)(F + B)/v: the step is
+    # (v*m + p - 1)(F + B)/v and the bubble (p - 1) / (v*m + p - 1), Megatron's (p - 1) / (v*m) of ideal
+    # time as a fraction of the step.
     result = simulate(make_schedule("interleaved-1f1b", num_ranks, micro_batches, virtual_stages))
-    assert result.step_time == 3 * (virtual_stages * micro_batches + num_ranks - 1)
+    assert result.step_time == pytest.approx(3 * (virtual_stages * micro_batches + num_ranks - 1) / virtual_stages)
     expected = (num_ranks - 1) / (virtual_stages * micro_batches + num_ranks - 1)
     assert result.bubble_fraction == pytest.approx(expected, abs=1e-12)
 
@@ -199,6 +201,50 @@ def test_zb_h1_bubble_is_about_a_third_of_1f1b():
     assert zero_bubble.bubble_fraction == pytest.approx(3 / 27)
     assert one_f_one_b.bubble_fraction == pytest.approx(9 / 33)
     assert zero_bubble.bubble_fraction < one_f_one_b.bubble_fraction / 2
+
+
+@pytest.mark.parametrize("num_ranks, micro_batches", [(4, 16), (8, 32)])
+def test_zb_v_has_almost_no_bubble_at_1f1b_memory(num_ranks, micro_batches):
+    zb_v = simulate(make_schedule("zb-v", num_ranks, micro_batches), ZB_COSTS)
+    one_f_one_b = simulate(make_schedule("1f1b", num_ranks, micro_batches), ZB_COSTS)
+    assert zb_v.bubble_fraction <= 0.05
+    assert max(zb_v.peak_memory) <= max(one_f_one_b.peak_memory) == num_ranks
+
+
+@pytest.mark.parametrize("num_ranks, micro_batches", [(2, 8), (4, 8), (4, 16), (8, 16), (8, 32)])
+def test_zb_h2_reaches_the_bound_of_one_stage_per_rank(num_ranks, micro_batches):
+    # One stage per rank: rank p - 1 cannot start before p - 1 forwards have passed, and then runs 3m passes,
+    # so no such schedule ends before 3m + p - 1 at F = I = W = 1. zb-h2 reaches that with at most twice
+    # 1F1B's activations (zb-h1 too, at these costs; with I costlier than F + W it falls behind).
+    zb_h2 = simulate(make_schedule("zb-h2", num_ranks, micro_batches), ZB_COSTS)
+    assert zb_h2.step_time == pytest.approx(3 * micro_batches + num_ranks - 1)
+    assert max(zb_h2.peak_memory) <= 2 * num_ranks
+
+
+def test_zb_h2_and_zb_v_built_for_uneven_costs_beat_zb_h1():
+    # Issue 18's measured costs of one stage of the compute-bound GPT config on 2x H200 (ms). zb-h2 holds up to
+    # twice 1F1B's activations; zb-v no more than 1F1B.
+    costs = {"F": 2.95, "I": 4.85, "W": 2.25}
+    for num_ranks, micro_batches in ((4, 8), (8, 16)):
+        zb_h1 = simulate(make_schedule("zb-h1", num_ranks, micro_batches), costs).step_time
+        zb_h2 = simulate(make_schedule("zb-h2", num_ranks, micro_batches, costs=costs), costs).step_time
+        zb_v = simulate(make_schedule("zb-v", num_ranks, micro_batches, costs=costs), costs).step_time
+        assert zb_h2 < 0.95 * zb_h1 and zb_v < 0.96 * zb_h1, (zb_h2 / zb_h1, zb_v / zb_h1)
+
+
+def test_zb_v_places_stages_in_a_v_and_hands_over_locally_at_the_turn():
+    schedule = make_schedule("zb-v", num_ranks=2, micro_batches=2)
+    assert schedule.placement == (0, 1, 1, 0)
+    assert [schedule.stages_of(rank) for rank in range(2)] == [(0, 3), (1, 2)]
+    assert [str(action) for action in schedule.actions[0]] == [
+        "F0.0", "SEND_F0.0", "F0.1", "SEND_F0.1", "RECV_F3.0", "F3.0", "I3.0", "SEND_B3.0", "RECV_F3.1", "F3.1",
+        "I3.1", "SEND_B3.1", "RECV_B0.0", "I0.0", "W3.0", "RECV_B0.1", "I0.1", "W3.1", "W0.0", "W0.1",
+    ]
+    assert [str(action) for action in schedule.actions[1]] == [
+        "RECV_F1.0", "F1.0", "SEND_F1.0", "RECV_F2.0", "F2.0", "SEND_F2.0", "RECV_F1.1", "F1.1", "SEND_F1.1",
+        "RECV_F2.1", "F2.1", "SEND_F2.1", "RECV_B2.0", "I2.0", "SEND_B2.0", "RECV_B1.0", "I1.0", "SEND_B1.0",
+        "RECV_B2.1", "I2.1", "SEND_B2.1", "RECV_B1.1", "I1.1", "SEND_B1.1", "W2.0", "W1.0", "W2.1", "W1.1",
+    ]
 
 
 @pytest.mark.parametrize("num_ranks, micro_batches", [(1, 3), (2, 4), (4, 4), (4, 8), (8, 9)])
@@ -371,7 +417,7 @@ def test_validate_catches_malformed_schedules(programs, message):
     [
         (
             ("pipedream", 2, 4),
-            "make_schedule: unknown schedule 'pipedream'; known: gpipe, 1f1b, interleaved-1f1b, zb-h1",
+            "make_schedule: unknown schedule 'pipedream'; known: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v",
         ),
         (("1f1b", 0, 4), "make_schedule: num_ranks must be >= 1, got 0"),
         (("gpipe", 2, 0), "make_schedule: micro_batches must be >= 1, got 0"),
