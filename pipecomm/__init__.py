@@ -10,6 +10,7 @@ from pipecomm.failure import PeerFailedError
 from pipecomm.parallel import ParallelContext, init
 from pipecomm.partition import StageModule, merge_checkpoints, split
 from pipecomm.pipeline import Pipeline
+from pipecomm.planner import plan_schedule
 from pipecomm.schedule import make_schedule, simulate
 
 try:
@@ -30,6 +31,7 @@ __all__ = [
     "merge_checkpoints",
     "pack",
     "packed_nbytes",
+    "plan_schedule",
     "simulate",
     "split",
     "unpack_",

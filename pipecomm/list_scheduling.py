@@ -10,15 +10,19 @@ Pass = tuple[str, int, int]  # (kind, stage, micro-batch); kind is F, I or W
 
 
 def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[str, float],
-                 memory_cap: float) -> list[list[Pass]]:
+                 memory_cap: float, *, deepest_forward_first: bool = True,
+                 weights_before_forwards: bool = False, deepest_gradient_first: bool = False) -> list[list[Pass]]:
     """Each rank's order of F, I and W passes, as the zero-bubble paper's greedy scheduler builds them.
 
     ``placement[s]`` is the rank of stage s. Time runs on the costs (``F``, ``I``, ``W``: one pass
     of one stage, transfers free). Whenever a rank is free it runs, in this priority: the I of the
     oldest micro-batch whose output gradient has arrived (the critical path), then the F of the
-    oldest ready input, deepest stage first, if the activation fits under ``memory_cap``, then the
-    oldest pending W; otherwise it waits for the next pass to end anywhere. An activation counts
-    1/v on a rank holding v stages and is held from its F until its W.
+    oldest ready input (of the deepest stage first, or with ``deepest_forward_first=False`` the
+    shallowest) if the activation fits under ``memory_cap``, then the oldest pending W; otherwise it
+    waits for the next pass to end anywhere. ``weights_before_forwards`` runs pending Ws before Fs,
+    which frees memory sooner; ``deepest_gradient_first`` picks the ready I of the deepest stage before
+    the oldest micro-batch. An activation counts 1/v on a rank holding v stages and is held from
+    its F until its W.
     """
     num_stages = len(placement)
     num_ranks = max(placement) + 1
@@ -70,20 +74,24 @@ def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[st
         ready_grads = sorted(key for key in waiting_input_grads[rank]
                              if gradient_at.get((key[1], key[0]), float("inf")) <= now)
         if ready_grads:
-            micro_batch, stage = min(ready_grads, key=lambda key: (key[0], -key[1]))
+            micro_batch, stage = min(ready_grads, key=(lambda key: (-key[1], key[0])) if deepest_gradient_first
+                                     else (lambda key: (key[0], -key[1])))
             place(rank, now, "I", stage, micro_batch)
             continue
-        ready_inputs = [(next_forward[stage], -stage) for stage in held[rank]
+        if weights_before_forwards and pending_weights[rank]:
+            place(rank, now, "W", *pending_weights[rank][0])
+            continue
+        direction = -1 if deepest_forward_first else 1
+        ready_inputs = [(next_forward[stage], direction * stage) for stage in held[rank]
                         if next_forward[stage] < micro_batches
                         and input_at.get((stage, next_forward[stage]), float("inf")) <= now
                         and memory[rank] + share[stage] <= memory_cap + 1e-9]
         if ready_inputs:
-            micro_batch, negative_stage = min(ready_inputs)
-            place(rank, now, "F", -negative_stage, micro_batch)
+            micro_batch, signed_stage = min(ready_inputs)
+            place(rank, now, "F", direction * signed_stage, micro_batch)
             continue
         if pending_weights[rank]:
-            stage, micro_batch = pending_weights[rank][0]
-            place(rank, now, "W", stage, micro_batch)
+            place(rank, now, "W", *pending_weights[rank][0])
             continue
         later = [free_at[r] for r in range(num_ranks) if free_at[r] > now]
         later += [t for t in (*input_at.values(), *gradient_at.values()) if t > now]

@@ -19,10 +19,12 @@ from torch import nn
 from pipecomm import _C, boundary, microbatch, transport
 from pipecomm.capture import CapturedStage
 from pipecomm.device_timing import DeviceTimeline
+from pipecomm.auto_schedule import CostMeter, initial_schedule
 from pipecomm.executor import GradientSink, StageExecutor, naming_transfer
 from pipecomm.failure import Collective, FailureNotes, PeerFailedError, describe
 from pipecomm.grad_sync import DataParallelGrads, SharedParameters
 from pipecomm.partition import StageModule
+from pipecomm.planner import plan_schedule
 from pipecomm.schedule import SCHEDULES, Schedule, looped_placement, make_schedule, validate
 from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
 from pipecomm.transport import ChannelError, keep_forever
@@ -47,10 +49,14 @@ class Pipeline:
 
     ``module``/``stage`` are one module and its stage index, or lists of them for schedules with
     several stages per rank (interleaved-1f1b: rank r holds stages r, r + p, r + 2p, ...; zb-v: r
-    and 2p - 1 - r). ``schedule`` is a name of ``pipecomm.schedule.SCHEDULES`` or a ``Schedule``
-    (``pipecomm.make_schedule``, e.g. zb-v built for measured costs). ``group`` is the pipeline's process
-    group, ordered by stage (default: the whole world); ``data_group`` holds this stage's
-    data-parallel replicas, whose gradients are averaged (``pipecomm.init`` makes both).
+    and 2p - 1 - r). ``schedule`` is a name of ``pipecomm.schedule.SCHEDULES``, a ``Schedule``
+    (``pipecomm.make_schedule``, e.g. zb-v built for measured costs) or ``"auto"``: the first three
+    steps run zb-h1 (one stage per rank) or zb-v (two in a V) and time each rank's F, I and W (on
+    GPUs with CUDA events), then every rank switches to ``pipecomm.plan_schedule``'s plan for the
+    slowest rank's costs at 1f1b's activation memory (``pipe.schedule``, ``pipe.planned_costs``).
+    ``group`` is the pipeline's process group, ordered by stage (default: the whole world);
+    ``data_group`` holds this stage's data-parallel replicas, whose gradients are averaged
+    (``pipecomm.init`` makes both).
     Parameters that ``pipecomm.split`` found shared between stages (a tied embedding and LM head)
     start from the lowest holder's value and have their gradients summed across the holders.
     ``cuda_graphs=True`` captures each stage's forward and backward as CUDA graphs at the first
@@ -102,10 +108,19 @@ class Pipeline:
         self._channels: dict[tuple[int, str], object] = {}
         self._undo_deferral: Callable[[], None] = lambda: None
         self._loss_wire: torch.Tensor | None = None
+        self.planned_costs: dict[str, float] | None = None  # schedule="auto": the F, I and W it planned for
         with self._failing_fast("building the Pipeline"):
             _check_configuration(modules, stages, num_stages, self.num_ranks, schedule)
-            self.schedule: Schedule = (schedule if isinstance(schedule, Schedule)
-                                       else make_schedule(schedule, self.num_ranks, micro_batches, len(stages)))
+            self._costs = CostMeter() if schedule == "auto" else None  # until "auto" has planned
+            if self._costs is not None and cuda_graphs:
+                raise ValueError('Pipeline: schedule="auto" splits backwards into I and W, which cuda_graphs=True '
+                                 "cannot capture")
+            if isinstance(schedule, Schedule):
+                self.schedule: Schedule = schedule
+            elif self._costs is not None:
+                self.schedule = initial_schedule(self.num_ranks, micro_batches, stages, self.rank)
+            else:
+                self.schedule = make_schedule(schedule, self.num_ranks, micro_batches, len(stages))
             _check_schedule(self.schedule, stages, self.rank, micro_batches)
             validate(self.schedule)
             _check_channel_order(self.schedule)
@@ -128,8 +143,10 @@ class Pipeline:
                 self.schedule, self.rank, self.modules, self._sinks, self._channels, loss_fn,
                 on_stage_backward_done=self._data_parallel.start if self._data_parallel else None,
                 weight_grad_store=store, cuda_graphs=cuda_graphs,
-                device_timeline=DeviceTimeline(self.device) if device_timing else None,
+                device_timeline=(DeviceTimeline(self.device)
+                                 if device_timing or (self._costs is not None and self.device.type == "cuda") else None),
             )
+            self._device_timing = device_timing
             self._connect(transport, timeout)
             if store:
                 self._undo_deferral = defer_linear_weight_grads(modules, store)
@@ -171,6 +188,8 @@ class Pipeline:
                 target_batch = microbatch.batch_size(targets, "target")
                 split_targets = microbatch.split(targets, self.micro_batches, "target", self.device)
             loss = self._executor.run(split_inputs, split_targets, batch, target_batch)
+            if self._costs is not None and self._costs.add_step(self._executor):
+                self._switch_to_plan()
             if self._data_parallel:
                 self._data_parallel.finish(self._wait)
             if self._shared:
@@ -339,6 +358,26 @@ class Pipeline:
             channel.close()
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _switch_to_plan(self) -> None:
+        """schedule="auto", after the measured steps: the slowest rank's F, I and W (a max over the pipeline, so that
+        every rank plans alike), the plan for this placement at 1f1b's memory, used from the next step on."""
+        costs = torch.tensor(self._costs.costs(), dtype=torch.float64, device=self._wire_device())
+        if self.num_ranks > 1:
+            self._wait(Collective(lambda: dist.all_reduce(costs, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+                                  [costs], self.group, f"pipeline rank {self.rank}: the all-reduce of the measured costs"))
+        measured = dict(zip(("F", "I", "W"), costs.tolist()))
+        plan = plan_schedule(self.num_ranks, self.micro_batches, measured, placement=self.schedule.placement)
+        _check_channel_order(plan)
+        self.schedule = self._executor.schedule = plan
+        self.planned_costs = measured
+        if not any(action.kind == "I" for action in plan.actions[self.rank]):
+            self._executor.weight_grad_store = None
+            self._undo_deferral()
+            self._undo_deferral = lambda: None
+        if not self._device_timing:
+            self._executor.device_timeline = None
+        self._costs = None
 
     def _check_usable(self, action: str) -> None:
         if self._failed is not None:
@@ -554,8 +593,8 @@ def _check_configuration(modules, stages, num_stages, num_ranks, schedule) -> No
         if schedule.num_ranks != num_ranks:
             raise ValueError(f"Pipeline: the schedule {schedule.name!r} is for {schedule.num_ranks} ranks, but the "
                              f"pipeline group has {num_ranks}")
-    elif schedule not in SCHEDULES:
-        raise ValueError(f"Pipeline: unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    elif schedule not in (*SCHEDULES, "auto"):
+        raise ValueError(f"Pipeline: unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}, auto")
     if len(modules) != len(stages):
         raise ValueError(f"Pipeline: got {len(modules)} modules but {len(stages)} stage indices")
     if num_stages != num_ranks * len(stages):

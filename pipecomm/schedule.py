@@ -20,6 +20,7 @@ __all__ = [
     "Schedule",
     "SimulationResult",
     "make_schedule",
+    "peak_memory",
     "simulate",
     "validate",
 ]
@@ -161,7 +162,7 @@ def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages:
         placement = looped_placement(num_ranks, num_stages)
         compute_orders = [_COMPUTE_ORDERS[name](rank, num_ranks, micro_batches, virtual_stages)
                           for rank in range(num_ranks)]
-    actions = tuple(_with_communication(order, num_stages) for order in compute_orders)
+    actions = tuple(with_communication(order, num_stages) for order in compute_orders)
     return Schedule(name, num_ranks, num_stages, micro_batches, actions, placement)
 
 
@@ -217,9 +218,14 @@ def simulate(
         bubble_fraction=bubble_fraction,
         busy_time=busy_time,
         peak_activations=peaks,
-        peak_memory=tuple(peak * share for peak in peaks),
+        peak_memory=peak_memory(schedule),
         timeline=tuple(tuple(rank_timeline) for rank_timeline in timeline),
     )
+
+
+def peak_memory(schedule: Schedule) -> tuple[float, ...]:
+    """Per rank, the most activations held at once, in units of one rank's share of the model (1f1b's rank 0: num_ranks)."""
+    return tuple(_peak_activations(program) / schedule.stages_per_rank for program in schedule.actions)
 
 
 def _check_schedule_arguments(name: str, num_ranks: int, micro_batches: int, virtual_stages: int) -> None:
@@ -328,7 +334,8 @@ _COMPUTE_ORDERS: dict[str, Callable[[int, int, int, int], list[Action]]] = {
 }
 
 
-def _with_communication(compute_order: list[Action], num_stages: int) -> tuple[Action, ...]:
+def with_communication(compute_order: list[Action], num_stages: int) -> tuple[Action, ...]:
+    """A rank's compute passes with their transfers: each RECV right before its consumer, each SEND right after its producer."""
     last_stage = num_stages - 1
     actions: list[Action] = []
     for action in compute_order:

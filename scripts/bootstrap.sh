@@ -12,7 +12,8 @@ missing=()
 # gather_object, which pipecomm uses) need it.
 # transformers: the real-model tests build Hugging Face models from configs (no weights are downloaded);
 # pinned, since its models' code is what the capture tests exercise.
-for module_and_package in wheel:wheel numpy:numpy pytest:pytest pytest_benchmark:pytest-benchmark \
+# numba: the schedule simulator's and planner's inner loops (pipecomm/fast_simulation.py).
+for module_and_package in wheel:wheel numpy:numpy numba:numba pytest:pytest pytest_benchmark:pytest-benchmark \
     transformers:transformers==5.24.0; do
   "$python" -c "import ${module_and_package%%:*}" 2>/dev/null || missing+=("${module_and_package#*:}")
 done

@@ -66,3 +66,18 @@ def test_capture_overhead_smoke_times_both_stages(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "capture.json").read_text())["rows"]
     assert [row["stage"] for row in rows] == ["captured", "by hand"] and all(row["fwd+bwd ms"] > 0 for row in rows)
+
+
+def test_schedules_table_covers_every_schedule_and_case(tmp_path):
+    out = tmp_path / "schedules.json"
+    result = subprocess.run([sys.executable, str(BENCH / "schedules.py"), "--costs", "1,1,1", "--json", str(out)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["p"], row["m"]) for row in rows] == [(2, 8), (4, 8), (8, 16), (4, 16), (8, 32)]
+    for row in rows:
+        assert row["zb-v mem"] <= row["1f1b mem"] == row["p"]
+        assert row["zb-v"] > row["zb-h1"] > row["1f1b"], row
+    assert "| p, m | gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-h2 | zb-v | plan 1x | plan 2x |" in result.stdout
+    for row in rows:
+        assert row["plan 1x"] >= max(row[name] for name in ("1f1b", "zb-h1", "zb-v")) - 1e-9, row

@@ -401,3 +401,46 @@ def test_a_schedule_that_does_not_fit_the_pipeline_is_refused():
     with pytest.raises(ValueError, match="the schedule 'zb-v' is for 2 ranks, but the pipeline group has 1"):
         pipecomm.Pipeline(stages, stage=[0, 1], num_stages=2, loss_fn=loss_fn, micro_batches=4,
                           schedule=pipecomm.make_schedule("zb-v", 2, 4))
+
+
+def auto_schedule(rank: int, world_size: int, chunks: int) -> tuple:
+    """schedule="auto" at 2 ranks: 5 steps (3 measured on the default, then the plan), each equal to one process."""
+    num_stages = world_size * chunks
+    torch.manual_seed(0)
+    stages = build_stages(num_stages)
+    reference = copy.deepcopy(stages)
+    mine = [rank] if chunks == 1 else [rank, 2 * world_size - 1 - rank]
+    pipe = pipecomm.Pipeline([stages[s] for s in mine] if chunks > 1 else stages[rank], stage=mine if chunks > 1 else rank,
+                             num_stages=num_stages, loss_fn=loss_fn, micro_batches=4, schedule="auto", timeout=60)
+    names = []
+    for step in range(5):
+        x, mask, target = batch(step)
+        loss = pipe.step(x, mask, target=target)
+        torch.testing.assert_close(loss, reference_grads(reference, step), rtol=1e-5, atol=1e-6)
+        for stage in mine:
+            for param, ref_param in zip(stages[stage].parameters(), reference[stage].parameters()):
+                torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6)
+                param.grad = None
+                ref_param.grad = None
+        names.append(pipe.schedule.name)
+    costs = pipe.planned_costs
+    pipe.close()
+    return names, sorted(costs) if costs else None, pipe.schedule.placement
+
+
+@pytest.mark.parametrize("chunks", [1, 2], ids=["one-stage-per-rank", "v"])
+def test_auto_measures_plans_and_trains_exactly(tmp_path, chunks):
+    results = run_ranks(2, auto_schedule, tmp_path, chunks, timeout=120)
+    initial = "zb-h1" if chunks == 1 else "zb-v"
+    for names, costs, placement in results:
+        # The third step is the last measured one; the plan takes over when it ends.
+        assert names[:2] == [initial] * 2 and names[2] == names[3] == names[4], names
+        assert costs == ["F", "I", "W"]
+    assert results[0] == results[1]  # every rank switched to the same plan
+    assert results[0][2] == ((0, 1) if chunks == 1 else (0, 1, 1, 0))
+
+
+def test_auto_refuses_placements_it_cannot_plan():
+    stages = build_stages(3)
+    with pytest.raises(ValueError, match='schedule="auto" plans one stage per rank, or two placed in a V'):
+        pipecomm.Pipeline(stages, stage=[0, 1, 2], num_stages=3, loss_fn=loss_fn, micro_batches=4, schedule="auto")

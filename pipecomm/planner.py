@@ -1,0 +1,84 @@
+"""The fastest schedule under a memory limit: named generators and list-scheduling variants, simulated on given costs."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+
+from pipecomm.fast_simulation import step_and_busy_times
+from pipecomm.list_scheduling import build_orders
+from pipecomm.schedule import (
+    Action,
+    Schedule,
+    looped_placement,
+    make_schedule,
+    peak_memory,
+    v_placement,
+    validate,
+    with_communication,
+)
+
+__all__ = ["plan_schedule"]
+
+_KINDS = ("F", "I", "W")
+
+
+def plan_schedule(num_ranks: int, micro_batches: int, costs: Mapping[str, float], *,
+                  memory_limit: float = 1.0, placement: Sequence[int] | None = None) -> Schedule:
+    """The schedule with the shortest simulated step among those whose peak activation memory fits.
+
+    ``costs`` gives F, I and W (B, if given, is ignored: it is I + W) of one micro-batch through one
+    rank's share of the model, as ``simulate`` takes them. ``memory_limit`` is the fullest rank's
+    peak activation memory in units of 1f1b's (which holds num_ranks micro-batches of a stage).
+    Candidates: every named schedule that fits, and list-scheduled orders (one stage per rank and the
+    V placement; deepest or shallowest ready forward first; weights as fillers or before forwards;
+    the oldest micro-batch's or the deepest stage's gradient first; memory caps from the limit down to
+    1f1b's), each simulated on ``costs``. ``placement`` (stage ->
+    rank) keeps only schedules that place the stages so, as a Pipeline's modules already are. The
+    result is validated and never slower than a named schedule that fits (and places alike).
+    """
+    if num_ranks < 1 or micro_batches < num_ranks:
+        raise ValueError(f"plan_schedule: needs num_ranks >= 1 and micro_batches >= num_ranks, got num_ranks="
+                         f"{num_ranks}, micro_batches={micro_batches}")
+    missing = [kind for kind in _KINDS if kind not in costs]
+    if missing or any(costs[kind] < 0 for kind in _KINDS):
+        raise ValueError(f"plan_schedule: costs needs F, I and W, each >= 0; got {dict(costs)}")
+    if memory_limit < 1.0:
+        raise ValueError(f"plan_schedule: memory_limit is in units of 1f1b's peak and must be >= 1, got {memory_limit}")
+    pass_costs = {kind: float(costs[kind]) for kind in _KINDS}
+    simulation_costs = {**pass_costs, "B": pass_costs["I"] + pass_costs["W"]}
+    best: tuple[float, Schedule] | None = None
+    for schedule in _candidates(num_ranks, micro_batches, pass_costs, memory_limit):
+        if placement is not None and schedule.placement != tuple(placement):
+            continue
+        if max(peak_memory(schedule)) > memory_limit * num_ranks + 1e-9:
+            continue
+        step_time, _ = step_and_busy_times(schedule, simulation_costs)
+        if best is None or step_time < best[0] - 1e-9:  # ties keep the earlier: named schedules come first
+            best = (step_time, schedule)
+    if best is None:
+        raise ValueError(f"plan_schedule: no schedule that places stages as {list(placement)} on {num_ranks} ranks "
+                         f"fits memory_limit={memory_limit:g}")
+    validate(best[1])
+    return best[1]
+
+
+def _candidates(num_ranks: int, micro_batches: int, costs: Mapping[str, float],
+                memory_limit: float) -> Iterator[Schedule]:
+    for name in ("1f1b", "zb-h1", "gpipe", "zb-h2", "zb-v"):
+        yield make_schedule(name, num_ranks, micro_batches)
+    if micro_batches % num_ranks == 0:
+        yield make_schedule("interleaved-1f1b", num_ranks, micro_batches, 2)
+    placements = {"zb-h2": (looped_placement(num_ranks, num_ranks), 1), "zb-v": (v_placement(num_ranks), 2)}
+    caps = sorted({memory_limit * num_ranks, float(num_ranks)}, reverse=True)
+    for (family, (placement, chunks)), cap, deepest, weights_first, deepest_gradient in itertools.product(
+            placements.items(), caps, (True, False), (False, True), (False, True)):
+        try:
+            orders = build_orders(placement, micro_batches, {kind: cost / chunks for kind, cost in costs.items()},
+                                  cap, deepest_forward_first=deepest, weights_before_forwards=weights_first,
+                                  deepest_gradient_first=deepest_gradient)
+        except ValueError:
+            continue  # this cap holds too little for this placement
+        actions = tuple(with_communication([Action(*compute) for compute in order], len(placement))
+                        for order in orders)
+        yield Schedule(f"planned ({family}-like)", num_ranks, len(placement), micro_batches, actions, placement)
