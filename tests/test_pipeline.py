@@ -77,7 +77,8 @@ def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_b
     for module in stages:
         module.to(device)
     tolerance = dict(rtol=1e-5, atol=1e-6) if kind == "cpu" else dict(rtol=1e-4, atol=1e-5)
-    mine = list(pipecomm.make_schedule(schedule, world_size, micro_batches, virtual).stages_of(rank))
+    placed_like = {"auto": "zb-h1" if virtual == 1 else "zb-v"}.get(schedule, schedule)
+    mine = list(pipecomm.make_schedule(placed_like, world_size, micro_batches, virtual).stages_of(rank))
     modules = [stages[s] for s in mine]
     pipe = pipecomm.Pipeline(
         modules if virtual > 1 else modules[0],
@@ -127,6 +128,10 @@ def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_b
         ("zb-v", 2, 2, 4, "cpu"),
         ("zb-h2", 4, 1, 8, "cpu"),
         ("zb-v", 4, 2, 8, "cpu"),
+        ("auto", 4, 2, 8, "cpu"),
+        pytest.param("zb-h2", 2, 1, 4, "cuda", marks=needs_cuda),
+        pytest.param("zb-v", 2, 2, 4, "cuda", marks=needs_cuda),
+        pytest.param("auto", 2, 2, 4, "cuda", marks=needs_cuda),
         pytest.param("1f1b", 2, 1, 4, "cuda", marks=needs_cuda),
         pytest.param("zb-h1", 2, 1, 4, "cuda", marks=needs_cuda),
         pytest.param("interleaved-1f1b", 2, 2, 4, "cuda", marks=needs_cuda),
