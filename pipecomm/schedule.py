@@ -172,7 +172,7 @@ def validate(schedule: Schedule, buffer_slots: int = 4) -> None:
 
     The deadlock check runs all ranks together: a RECV blocks until its SEND has run on the peer,
     and a SEND blocks while its channel (one per direction per pair of ranks) already holds
-    ``buffer_slots`` messages that have not been received.
+    ``buffer_slots`` messages that have not been received; a rank's messages to itself never block.
     """
     if buffer_slots < 1:
         raise ValueError(f"validate: buffer_slots must be >= 1, got {buffer_slots}")
@@ -521,7 +521,8 @@ def _execute(
             raise ValueError(f"simulate: the cost of {action} is negative: {cost}")
         if action.kind.startswith("SEND"):
             channel = (rank, peer_rank(action))
-            if buffer_slots is not None and messages_in_channel[channel] >= buffer_slots:
+            # A rank's messages to itself (adjacent stages it holds) wait in an unbounded loopback queue.
+            if buffer_slots is not None and channel[1] != rank and messages_in_channel[channel] >= buffer_slots:
                 blocked_senders[channel] = rank
                 continue
             messages_in_channel[channel] += 1

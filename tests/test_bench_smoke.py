@@ -81,3 +81,13 @@ def test_schedules_table_covers_every_schedule_and_case(tmp_path):
     assert "| p, m | gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-h2 | zb-v | plan 1x | plan 2x |" in result.stdout
     for row in rows:
         assert row["plan 1x"] >= max(row[name] for name in ("1f1b", "zb-h1", "zb-v")) - 1e-9, row
+
+
+def test_stage_costs_measures_f_i_w_and_tabulates(tmp_path):
+    out = tmp_path / "costs.json"
+    result = subprocess.run([sys.executable, str(BENCH / "stage_costs.py"), "--cpu", "--steps", "1", "--configs",
+                             "overhead", "--json", str(out)], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    overhead = json.loads(out.read_text())["configs"]["overhead"]
+    assert all(overhead["costs_ms"][kind] > 0 for kind in ("F", "I", "W"))
+    assert len(overhead["simulated"]) == 5 and "# overhead: one stage (4 layers)" in result.stdout

@@ -88,3 +88,12 @@ def test_the_plan_beats_zb_h1_at_1f1b_memory():
 def test_bad_planner_arguments_are_refused(args, kwargs, message):
     with pytest.raises(ValueError, match=message):
         pipecomm.plan_schedule(*args, **kwargs)
+
+
+def test_plans_on_h100_costs_validate():
+    # One stage of the compute-bound config measured on one H100 (bench/stage_costs.py): the fastest candidate at
+    # p = 8, m = 32 and twice the memory once failed validate() on its V's loopback.
+    costs = {"F": 3.059, "I": 5.022, "W": 2.226}
+    for num_ranks, micro_batches in ((4, 8), (8, 16), (8, 32)):
+        for memory_limit in (1.0, 2.0):
+            validate(pipecomm.plan_schedule(num_ranks, micro_batches, costs, memory_limit=memory_limit))

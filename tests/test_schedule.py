@@ -443,3 +443,11 @@ def test_validate_catches_malformed_schedules(programs, message):
 def test_make_schedule_errors(arguments, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         make_schedule(*arguments)
+
+
+def test_messages_a_rank_sends_itself_never_block():
+    # Two stages on one rank, every forward of stage 0 before stage 1 receives any: the loopback queue that carries
+    # them is unbounded, so even one slot per channel must not deadlock (a V's turn does this on its last rank).
+    forwards = " ".join(f"F0.{m} SEND_F0.{m}" for m in range(6)) + " " + " ".join(f"RECV_F1.{m} F1.{m}" for m in range(6))
+    backwards = " ".join(f"B1.{m} SEND_B1.{m}" for m in range(6)) + " " + " ".join(f"RECV_B0.{m} B0.{m}" for m in range(6))
+    validate(hand_made(f"{forwards} {backwards}", num_stages=2, micro_batches=6), buffer_slots=1)
