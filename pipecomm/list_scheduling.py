@@ -11,7 +11,8 @@ Pass = tuple[str, int, int]  # (kind, stage, micro-batch); kind is F, I or W
 
 def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[str, float],
                  memory_cap: float, *, deepest_forward_first: bool = True,
-                 weights_before_forwards: bool = False, deepest_gradient_first: bool = False) -> list[list[Pass]]:
+                 weights_before_forwards: bool = False, deepest_gradient_first: bool = False,
+                 first_stage_lead: Sequence[int] | None = None) -> list[list[Pass]]:
     """Each rank's order of F, I and W passes, as the zero-bubble paper's greedy scheduler builds them.
 
     ``placement[s]`` is the rank of stage s. Time runs on the costs (``F``, ``I``, ``W``: one pass
@@ -21,7 +22,9 @@ def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[st
     shallowest) if the activation fits under ``memory_cap``, then the oldest pending W; otherwise it
     waits for the next pass to end anywhere. ``weights_before_forwards`` runs pending Ws before Fs,
     which frees memory sooner; ``deepest_gradient_first`` picks the ready I of the deepest stage before
-    the oldest micro-batch. An activation counts 1/v on a rank holding v stages and is held from
+    the oldest micro-batch. ``first_stage_lead[r]`` bounds how many micro-batches rank r's first
+    stage may run ahead of its last in forwards (ranks holding several stages): memory that the first
+    stage's early forwards would hold stays free for the last stage's. An activation counts 1/v on a rank holding v stages and is held from
     its F until its W.
     """
     num_stages = len(placement)
@@ -62,6 +65,11 @@ def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[st
             pending_weights[rank].remove((stage, micro_batch))
             memory[rank] -= share[stage]
 
+    def leads_too_far(rank: int, stage: int) -> bool:
+        first, last = held[rank][0], held[rank][-1]
+        return (first_stage_lead is not None and stage == first != last
+                and next_forward[first] - next_forward[last] >= first_stage_lead[rank])
+
     # Ranks with nothing to do and no known time to look again: they wait for the next pass placed anywhere.
     waiting: set[int] = set()
     while any(remaining):
@@ -83,7 +91,7 @@ def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[st
             continue
         direction = -1 if deepest_forward_first else 1
         ready_inputs = [(next_forward[stage], direction * stage) for stage in held[rank]
-                        if next_forward[stage] < micro_batches
+                        if next_forward[stage] < micro_batches and not leads_too_far(rank, stage)
                         and input_at.get((stage, next_forward[stage]), float("inf")) <= now
                         and memory[rank] + share[stage] <= memory_cap + 1e-9]
         if ready_inputs:

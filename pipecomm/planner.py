@@ -74,14 +74,27 @@ def _candidates(num_ranks: int, micro_batches: int, costs: Mapping[str, float],
         yield make_schedule("interleaved-1f1b", num_ranks, micro_batches, 2)
     placements = {"zb-h2": (looped_placement(num_ranks, num_ranks), 1), "zb-v": (v_placement(num_ranks), 2)}
     caps = sorted({memory_limit * num_ranks, float(num_ranks)}, reverse=True)
-    for (family, (placement, chunks)), cap, deepest, weights_first, deepest_gradient in itertools.product(
-            placements.items(), caps, (True, False), (False, True), (False, True)):
-        try:
-            orders = build_orders(placement, micro_batches, {kind: cost / chunks for kind, cost in costs.items()},
-                                  cap, deepest_forward_first=deepest, weights_before_forwards=weights_first,
-                                  deepest_gradient_first=deepest_gradient)
-        except ValueError:
-            continue  # this cap holds too little for this placement
-        actions = tuple(with_communication([Action(*compute) for compute in order], len(placement))
-                        for order in orders)
-        yield Schedule(f"planned ({family}-like)", num_ranks, len(placement), micro_batches, actions, placement)
+    variants = [dict(deepest_forward_first=deepest, weights_before_forwards=weights_first,
+                     deepest_gradient_first=deepest_gradient)
+                for deepest, weights_first, deepest_gradient in itertools.product((True, False), (False, True),
+                                                                                  (False, True))]
+    for (family, (placement, chunks)), cap, variant in itertools.product(placements.items(), caps, variants):
+        yield from _built(family, placement, chunks, micro_batches, costs, cap, **variant)
+    # The V's first stages, held back: rank r's stage r may lead its stage 2p - 1 - r by base + slope (p - 1 - r)
+    # micro-batches, so that its memory is there when the far side of the V sends its inputs back.
+    for base, slope, deepest_gradient in itertools.product(range(1, num_ranks + 2), (1, 2), (False, True)):
+        lead = [base + slope * (num_ranks - 1 - rank) for rank in range(num_ranks)]
+        yield from _built("zb-v", v_placement(num_ranks), 2, micro_batches, costs, float(num_ranks),
+                          deepest_gradient_first=deepest_gradient, first_stage_lead=lead)
+
+
+def _built(family: str, placement: tuple[int, ...], chunks: int, micro_batches: int, costs: Mapping[str, float],
+           cap: float, **variant) -> Iterator[Schedule]:
+    """The list-scheduled schedule of one variant, if the memory cap lets it finish."""
+    try:
+        orders = build_orders(placement, micro_batches, {kind: cost / chunks for kind, cost in costs.items()}, cap,
+                              **variant)
+    except ValueError:
+        return  # this cap holds too little for this placement
+    actions = tuple(with_communication([Action(*compute) for compute in order], len(placement)) for order in orders)
+    yield Schedule(f"planned ({family}-like)", max(placement) + 1, len(placement), micro_batches, actions, placement)

@@ -168,15 +168,18 @@ def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages:
 
 def validate(schedule: Schedule, buffer_slots: int = 4) -> None:
     """Raises ValueError naming the first defect: a missing, duplicated or misplaced action, an
-    unmatched transfer, a rank that runs an action before one it depends on, or a deadlock.
+    unmatched transfer, a rank that runs an action before one it depends on, a receive out of its
+    channel's order, or a deadlock.
 
     The deadlock check runs all ranks together: a RECV blocks until its SEND has run on the peer,
-    and a SEND blocks while its channel (one per direction per pair of ranks) already holds
-    ``buffer_slots`` messages that have not been received; a rank's messages to itself never block.
+    and a SEND blocks while its channel already holds ``buffer_slots`` messages that have not been
+    received. As the runtime opens them, a pair of ranks has an activation and a gradient channel,
+    each in order and with its own slots each way; a rank's messages to itself never block.
     """
     if buffer_slots < 1:
         raise ValueError(f"validate: buffer_slots must be >= 1, got {buffer_slots}")
     _check_structure(schedule)
+    _check_channel_order(schedule)
     _execute(schedule, lambda action: 0.0, 0.0, buffer_slots)
 
 
@@ -492,8 +495,9 @@ def _execute(
     finish_times = [0.0] * num_ranks
     timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(num_ranks)]
     deliveries: dict[Action, float] = {}  # SEND -> when its message can be received
-    messages_in_channel: collections.Counter[tuple[int, int]] = collections.Counter()  # (source, target)
-    blocked_senders: dict[tuple[int, int], int] = {}  # channel -> the rank waiting for a free slot
+    # (source, target, "act" or "grad"): the runtime opens an activation and a gradient channel per pair of ranks.
+    messages_in_channel: collections.Counter[tuple[int, int, str]] = collections.Counter()
+    blocked_senders: dict[tuple[int, int, str], int] = {}  # channel -> the rank waiting for a free slot
     blocked_receivers: dict[Action, int] = {}  # SEND not yet run -> the rank waiting for its message
 
     # Ties in time go to the earlier-scheduled event, so runs are deterministic.
@@ -509,7 +513,7 @@ def _execute(
         if completed is not None:
             finish_times[rank] = now
             if completed.kind.startswith("RECV"):
-                channel = (peer_rank(completed), rank)
+                channel = (peer_rank(completed), rank, _channel_kind(completed))
                 messages_in_channel[channel] -= 1
                 if channel in blocked_senders:
                     wake(blocked_senders.pop(channel), now)
@@ -520,7 +524,7 @@ def _execute(
         if cost < 0:
             raise ValueError(f"simulate: the cost of {action} is negative: {cost}")
         if action.kind.startswith("SEND"):
-            channel = (rank, peer_rank(action))
+            channel = (rank, peer_rank(action), _channel_kind(action))
             # A rank's messages to itself (adjacent stages it holds) wait in an unbounded loopback queue.
             if buffer_slots is not None and channel[1] != rank and messages_in_channel[channel] >= buffer_slots:
                 blocked_senders[channel] = rank
@@ -551,13 +555,42 @@ def _execute(
             if action.kind.startswith("RECV"):
                 waits.append(f"rank {rank} waits at {action} for {_counterpart(action)} from rank {peer_rank(action)}")
             else:
-                held = messages_in_channel[(rank, peer_rank(action))]
+                kind = _channel_kind(action)
+                held = messages_in_channel[(rank, peer_rank(action), kind)]
                 waits.append(
-                    f"rank {rank} waits at {action}: its channel to rank {peer_rank(action)} "
+                    f"rank {rank} waits at {action}: its {_CHANNEL_NAMES[kind]} channel to rank {peer_rank(action)} "
                     f"holds {held} unreceived message(s)"
                 )
         raise ValueError("deadlock: " + ", ".join(waits))
     return timeline, finish_times
+
+
+_CHANNEL_NAMES = {"act": "activation", "grad": "gradient"}
+
+
+def _channel_kind(transfer: Action) -> str:
+    return "act" if transfer.kind in ("SEND_F", "RECV_F") else "grad"
+
+
+def _check_channel_order(schedule: Schedule) -> None:
+    """Each channel delivers in order: a rank must receive from each of its channels in the order the peer sends."""
+    sent: dict[tuple[int, int, str], list[Action]] = collections.defaultdict(list)
+    received: dict[tuple[int, int, str], list[Action]] = collections.defaultdict(list)
+    for rank, program in enumerate(schedule.actions):
+        for action in program:
+            if action.kind.startswith("SEND"):
+                sent[(rank, schedule.stage_rank(_counterpart(action).stage), _channel_kind(action))].append(action)
+            elif action.kind.startswith("RECV"):
+                send = _counterpart(action)
+                received[(schedule.stage_rank(send.stage), rank, _channel_kind(action))].append(send)
+    for (source, target, kind), order in sent.items():
+        if received[(source, target, kind)] != order:
+            got = next(i for i, (a, b) in enumerate(zip(order, received[(source, target, kind)])) if a != b)
+            raise ValueError(
+                f"rank {target} receives from its {_CHANNEL_NAMES[kind]} channel with rank {source} out of the order "
+                f"rank {source} sends: message {got} is {order[got]}, but rank {target} first receives "
+                f"{_counterpart(received[(source, target, kind)][got])}"
+            )
 
 
 def _peak_activations(program: tuple[Action, ...]) -> int:

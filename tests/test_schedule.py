@@ -361,17 +361,19 @@ def test_validate_catches_a_deadlock_of_two_receives():
         simulate(broken)
 
 
-def test_validate_catches_a_deadlock_on_a_full_channel():
-    # Rank 1 receives micro-batch 1 first; with one slot, micro-batch 0's message fills the channel.
+def test_validate_refuses_a_receive_out_of_its_channels_order_and_simulate_models_full_channels():
+    # Rank 1 receives micro-batch 1 first. The runtime's channels deliver in order, so validate refuses it; the
+    # simulator matches messages by identity, and with one slot micro-batch 0's message fills the channel.
     schedule = make_schedule("gpipe", num_ranks=2, micro_batches=2)
     out_of_order = with_program(schedule, 1, "RECV_F1.1 F1.1 RECV_F1.0 F1.0 B1.0 SEND_B1.0 B1.1 SEND_B1.1")
-    validate(out_of_order, buffer_slots=2)
+    order = ("rank 1 receives from its activation channel with rank 0 out of the order rank 0 sends: message 0 is "
+             "SEND_F0.0, but rank 1 first receives RECV_F1.1")
+    with pytest.raises(ValueError, match=f"^{re.escape(order)}$"):
+        validate(out_of_order, buffer_slots=2)
     message = (
-        "deadlock: rank 0 waits at SEND_F0.1: its channel to rank 1 holds 1 unreceived message(s), "
+        "deadlock: rank 0 waits at SEND_F0.1: its activation channel to rank 1 holds 1 unreceived message(s), "
         "rank 1 waits at RECV_F1.1 for SEND_F0.1 from rank 0"
     )
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        validate(out_of_order, buffer_slots=1)
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         simulate(out_of_order, buffer_slots=1)
     assert simulate(out_of_order).step_time == simulate(out_of_order, buffer_slots=2).step_time
