@@ -88,7 +88,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / dp)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
-    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+    parser.add_argument("--schedule", default="1f1b",
+                        choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "auto"])
     parser.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank for interleaved-1f1b")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=4)
@@ -103,13 +104,15 @@ def main() -> None:
     args = parser.parse_args()
 
     context = pipecomm.init(pipeline_size=args.pp, data_size=args.dp)
-    virtual = args.virtual_stages if args.schedule == "interleaved-1f1b" else 1
+    virtual = {"interleaved-1f1b": args.virtual_stages, "zb-v": 2}.get(args.schedule, 1)
     num_stages = context.num_stages * virtual
     if args.layers % num_stages:
         raise SystemExit(f"--layers {args.layers} must be divisible by the {num_stages} stages")
     torch.manual_seed(0)  # every rank builds the same model, then keeps its own stages
     model = GPT(256, args.hidden, args.heads, args.layers, args.seq)
-    stages = [context.stage + chunk * context.num_stages for chunk in range(virtual)]
+    # "auto" starts from zb-h1 and plans for the stages it was given; zb-v places two per rank in a V.
+    planned_as = "zb-h1" if args.schedule == "auto" else args.schedule
+    stages = list(make_schedule(planned_as, context.num_stages, args.micro_batches, virtual).stages_of(context.stage))
     modules = pipecomm.split(model, num_stages, stages if virtual > 1 else stages[0], balance="parameters",
                              device=context.device)
     pipe = pipecomm.Pipeline(
@@ -122,7 +125,7 @@ def main() -> None:
     data = Data(args.data, args.seq, 256)
     replica_batch = args.micro_batches * args.micro_batch_size
     global_tokens = replica_batch * args.seq * context.data_size
-    theory = simulate(make_schedule(args.schedule, context.num_stages, args.micro_batches, virtual)).bubble_fraction
+    theory = simulate(make_schedule(planned_as, context.num_stages, args.micro_batches, virtual)).bubble_fraction
     reporter = context.stage == context.num_stages - 1 and context.dp_rank == 0
     if reporter:
         print(f"GPT {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, pp={context.num_stages} "
