@@ -37,11 +37,7 @@ def stage_costs(config_name: str, device: torch.device, dtype: torch.dtype, step
         module.zero_grad(set_to_none=True)
         if step < 2:
             continue
-        executor = pipe._executor
-        compute = [action for _, _, action in executor.timeline if action.is_compute]
-        spans = (executor.device_timeline.spans() if executor.device_timeline
-                 else [(start, end) for start, end, action in executor.timeline if action.is_compute])
-        for (start, end), action in zip(spans, compute):
+        for start, end, action in pipe._executor.compute_spans():
             durations[action.kind].append((end - start) * 1e3)
     pipe.close()
     return {kind: statistics.median(times) for kind, times in durations.items()}

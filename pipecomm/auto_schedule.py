@@ -39,12 +39,7 @@ class CostMeter:
         self.steps += 1
         if self.steps <= WARMUP_STEPS:
             return False
-        compute = [action for _, _, action in executor.timeline if action.is_compute]
-        if executor.device_timeline:
-            spans = executor.device_timeline.spans()
-        else:
-            spans = [(start, end) for start, end, action in executor.timeline if action.is_compute]
-        for (start, end), action in zip(spans, compute):
+        for start, end, action in executor.compute_spans():
             self._durations[(action.kind, action.stage)].append(end - start)
         return self.steps >= WARMUP_STEPS + MEASURED_STEPS
 

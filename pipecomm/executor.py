@@ -246,6 +246,14 @@ class StageExecutor:
             device.end_step()
         return self._loss
 
+    def compute_spans(self) -> list[tuple[float, float, Action]]:
+        """(start, end, action) of the last step's compute actions: CUDA-event times (seconds from the step's start)
+        with a device timeline, else the host clock."""
+        if self.device_timeline:
+            compute = [action for _, _, action in self.timeline if action.is_compute]
+            return [(start, end, action) for (start, end), action in zip(self.device_timeline.spans(), compute)]
+        return [entry for entry in self.timeline if entry[2].is_compute]
+
     # -- compute -------------------------------------------------------------------------------
 
     def _scaled_loss(self, output, *targets) -> torch.Tensor:

@@ -11,7 +11,7 @@ import numpy as np
 
 from pipecomm.schedule import COMMUNICATION_KINDS, COMPUTE_KINDS, DEFAULT_COSTS, Schedule
 
-__all__ = ["Encoded", "encode", "step_and_busy_times"]
+__all__ = ["Encoded", "encode", "kind_costs", "step_and_busy_times"]
 
 _KINDS = COMPUTE_KINDS + COMMUNICATION_KINDS  # codes: F B I W SEND_F RECV_F SEND_B RECV_B = 0 .. 7
 _CODE = {kind: code for code, kind in enumerate(_KINDS)}
@@ -43,14 +43,18 @@ def step_and_busy_times(schedule: Schedule | Encoded, costs: Mapping[str, float]
     passes it ``encode``d once. Raises ValueError on a deadlock.
     """
     encoded = schedule if isinstance(schedule, Encoded) else encode(schedule)
-    table = {**DEFAULT_COSTS, **(costs or {})}
-    share = 1.0 / encoded.stages_per_rank
-    kind_costs = np.array([table[kind] * (share if kind in COMPUTE_KINDS else 1.0) for kind in _KINDS])
-    finish, busy, stuck_rank = _runner()(encoded.actions, encoded.offsets, kind_costs, float(comm_time),
-                                         encoded.num_stages, encoded.micro_batches)
+    finish, busy, stuck_rank = _runner()(encoded.actions, encoded.offsets, kind_costs(costs, encoded.stages_per_rank),
+                                         float(comm_time), encoded.num_stages, encoded.micro_batches)
     if stuck_rank >= 0:
         raise ValueError(f"deadlock: rank {stuck_rank} waits forever (simulate() names the actions)")
     return float(finish.max()), busy
+
+
+def kind_costs(costs: Mapping[str, float] | None, stages_per_rank: int) -> np.ndarray:
+    """The duration of each kind code: ``costs`` over DEFAULT_COSTS, compute divided by the stages per rank."""
+    table = {**DEFAULT_COSTS, **(costs or {})}
+    share = 1.0 / stages_per_rank  # as simulate() scales them, so that both give the same times
+    return np.array([table[kind] * (share if kind in COMPUTE_KINDS else 1.0) for kind in _KINDS])
 
 
 def _run_python(actions, offsets, kind_costs, comm_time, num_stages, micro_batches):

@@ -294,12 +294,8 @@ class Pipeline:
         its step on its GPU; transfers, timed only by the host, are left out.
         """
         executor = self._executor
-        if executor.device_timeline:
-            spans = iter(executor.device_timeline.spans())
-            timeline = [(*next(spans), str(action), action.kind) for _, _, action in executor.timeline
-                        if action.is_compute]
-        else:
-            timeline = [(start, end, str(action), action.kind) for start, end, action in executor.timeline]
+        entries = executor.compute_spans() if executor.device_timeline else executor.timeline
+        timeline = [(start, end, str(action), action.kind) for start, end, action in entries]
         gathered = [None] * self.num_ranks if self.rank == 0 else None
         if self.num_ranks > 1:
             with self._call("trace"):

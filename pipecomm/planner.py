@@ -48,8 +48,9 @@ def plan_schedule(num_ranks: int, micro_batches: int, costs: Mapping[str, float]
     pass_costs = {kind: float(costs[kind]) for kind in _KINDS}
     simulation_costs = {**pass_costs, "B": pass_costs["I"] + pass_costs["W"]}
     timed = []
-    for index, schedule in enumerate(_candidates(num_ranks, micro_batches, pass_costs, memory_limit)):
-        if placement is not None and schedule.placement != tuple(placement):
+    wanted = None if placement is None else tuple(placement)
+    for index, schedule in enumerate(_candidates(num_ranks, micro_batches, pass_costs, memory_limit, wanted)):
+        if wanted is not None and schedule.placement != wanted:
             continue
         if max(peak_memory(schedule)) > memory_limit * num_ranks + 1e-9:
             continue
@@ -62,29 +63,33 @@ def plan_schedule(num_ranks: int, micro_batches: int, costs: Mapping[str, float]
         except ValueError:
             continue
         return schedule
-    raise ValueError(f"plan_schedule: no schedule that places stages as {list(placement or [])} on {num_ranks} ranks "
+    raise ValueError(f"plan_schedule: no schedule that places stages as {list(wanted or [])} on {num_ranks} ranks "
                      f"fits memory_limit={memory_limit:g}")
 
 
-def _candidates(num_ranks: int, micro_batches: int, costs: Mapping[str, float],
-                memory_limit: float) -> Iterator[Schedule]:
+def _candidates(num_ranks: int, micro_batches: int, costs: Mapping[str, float], memory_limit: float,
+                placement: tuple[int, ...] | None) -> Iterator[Schedule]:
+    """The named schedules, and list-scheduled ones built only where they place stages as ``placement`` (any, if None)."""
     for name in ("1f1b", "zb-h1", "gpipe", "zb-h2", "zb-v"):
         yield make_schedule(name, num_ranks, micro_batches)
     if micro_batches % num_ranks == 0:
         yield make_schedule("interleaved-1f1b", num_ranks, micro_batches, 2)
-    placements = {"zb-h2": (looped_placement(num_ranks, num_ranks), 1), "zb-v": (v_placement(num_ranks), 2)}
+    families = {"zb-h2": (looped_placement(num_ranks, num_ranks), 1), "zb-v": (v_placement(num_ranks), 2)}
+    families = {family: built for family, built in families.items() if placement in (None, built[0])}
     caps = sorted({memory_limit * num_ranks, float(num_ranks)}, reverse=True)
     variants = [dict(deepest_forward_first=deepest, weights_before_forwards=weights_first,
                      deepest_gradient_first=deepest_gradient)
                 for deepest, weights_first, deepest_gradient in itertools.product((True, False), (False, True),
                                                                                   (False, True))]
-    for (family, (placement, chunks)), cap, variant in itertools.product(placements.items(), caps, variants):
-        yield from _built(family, placement, chunks, micro_batches, costs, cap, **variant)
+    for (family, (layout, chunks)), cap, variant in itertools.product(families.items(), caps, variants):
+        yield from _built(family, layout, chunks, micro_batches, costs, cap, **variant)
+    if "zb-v" not in families:
+        return
     # The V's first stages, held back: rank r's stage r may lead its stage 2p - 1 - r by base + slope (p - 1 - r)
     # micro-batches, so that its memory is there when the far side of the V sends its inputs back.
     for base, slope, deepest_gradient in itertools.product(range(1, num_ranks + 2), (1, 2), (False, True)):
         lead = [base + slope * (num_ranks - 1 - rank) for rank in range(num_ranks)]
-        yield from _built("zb-v", v_placement(num_ranks), 2, micro_batches, costs, float(num_ranks),
+        yield from _built("zb-v", families["zb-v"][0], 2, micro_batches, costs, float(num_ranks),
                           deepest_gradient_first=deepest_gradient, first_stage_lead=lead)
 
 

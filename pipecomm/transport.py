@@ -527,13 +527,15 @@ class DistChannel(Channel):
     def _post_receive(self, buffer: torch.Tensor, tag: int, seq: int, part: str) -> tuple:
         return buffer, self._post(self._control, buffer, tag, f"the {part} of message {seq}", "receive")
 
+    def _post_header_receive(self, seq: int) -> tuple:
+        return self._post_receive(torch.empty(_C.FRAME_HEADER_FIELDS, dtype=torch.int64), _HEADER_TAG, seq, "header")
+
     def _recv(self):
         seq = self._recv_seq
         if self._peer_gone is not None:
             raise ProtocolError(f"{self._describe_direction('receive')}: cannot receive message {seq}: {self._peer_gone}")
         if self._header is None:
-            self._header = self._post_receive(torch.empty(_C.FRAME_HEADER_FIELDS, dtype=torch.int64), _HEADER_TAG, seq,
-                                              "header")
+            self._header = self._post_header_receive(seq)
         header = self._await(self._header, seq, "header")
         self._header = None
         kind, follow, payload_bytes = self._codec.read_header(header)
@@ -547,8 +549,7 @@ class DistChannel(Channel):
             raise ProtocolError(f"{self._describe_direction('receive')}: rank {self.rank} stopped waiting to receive "
                                 f"message {seq}: another thread closed the channel")
         # The next header's receive goes out now, so that the peer's send of it finds it posted.
-        self._header = self._post_receive(torch.empty(_C.FRAME_HEADER_FIELDS, dtype=torch.int64), _HEADER_TAG, seq + 1,
-                                          "header")
+        self._header = self._post_header_receive(seq + 1)
         meta = self._await(self._post_receive(torch.empty(follow, dtype=torch.uint8), _META_TAG, seq, "metadata"), seq,
                            "metadata") if follow else None
         message = self._codec.allocate(meta, payload_bytes)

@@ -37,12 +37,9 @@ def test_the_numba_simulator_times_every_schedule_as_the_python_one():
                 assert step_time == pytest.approx(reference.step_time, rel=1e-12), schedule.name
                 np.testing.assert_allclose(busy, reference.busy_time, rtol=1e-12)
                 # The interpreted loop is what runs where numba is missing.
-                table = {**pipecomm.schedule.DEFAULT_COSTS, **costs}
-                share = 1.0 / schedule.stages_per_rank
-                kind_costs = np.array([table[k] * (share if k in pipecomm.schedule.COMPUTE_KINDS else 1.0)
-                                       for k in fast_simulation._KINDS])
-                finish, _, stuck = fast_simulation._run_python(encoded.actions, encoded.offsets, kind_costs, comm_time,
-                                                               encoded.num_stages, encoded.micro_batches)
+                finish, _, stuck = fast_simulation._run_python(
+                    encoded.actions, encoded.offsets, fast_simulation.kind_costs(costs, schedule.stages_per_rank),
+                    comm_time, encoded.num_stages, encoded.micro_batches)
                 assert stuck == -1 and finish.max() == pytest.approx(reference.step_time, rel=1e-12)
                 checked += 1
     assert checked > 150
