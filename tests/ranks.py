@@ -120,3 +120,9 @@ def rank_device(rank: int, kind: str) -> torch.device:
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
+
+
+def held_stages(schedule: str, world_size: int, micro_batches: int, virtual: int, rank: int) -> list[int]:
+    """The stages ``schedule`` places on ``rank`` ("auto" plans for the placement of zb-h1, or zb-v's V for two)."""
+    placed_like = {"auto": "zb-h1" if virtual == 1 else "zb-v"}.get(schedule, schedule)
+    return list(pipecomm.make_schedule(placed_like, world_size, micro_batches, virtual).stages_of(rank))

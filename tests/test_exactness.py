@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ranks import needs_cuda, rank_device, run_ranks
+from ranks import held_stages, needs_cuda, rank_device, run_ranks
 
 import pipecomm
 from pipecomm import executor
@@ -60,7 +60,7 @@ def train_like_one_process(rank, world_size, build, make_batch, loss_fn, schedul
         torch.manual_seed(0)
         stages = build(num_stages)
         reference = copy.deepcopy(stages)
-        mine = list(pipecomm.make_schedule(schedule, world_size, micro_batches, chunks).stages_of(rank))
+        mine = held_stages(schedule, world_size, micro_batches, chunks, rank)
         modules = [stages[s].to(device) for s in mine]
         modules = [torch.compile(module, backend="aot_eager") if compiled else module for module in modules]
         pipe = pipecomm.Pipeline(modules, stage=mine, num_stages=num_stages, loss_fn=loss_fn,

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models import MaskedBlock
-from ranks import needs_cuda, rank_device, run_ranks
+from ranks import held_stages, needs_cuda, rank_device, run_ranks
 
 import pipecomm
 
@@ -77,8 +77,7 @@ def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_b
     for module in stages:
         module.to(device)
     tolerance = dict(rtol=1e-5, atol=1e-6) if kind == "cpu" else dict(rtol=1e-4, atol=1e-5)
-    placed_like = {"auto": "zb-h1" if virtual == 1 else "zb-v"}.get(schedule, schedule)
-    mine = list(pipecomm.make_schedule(placed_like, world_size, micro_batches, virtual).stages_of(rank))
+    mine = held_stages(schedule, world_size, micro_batches, virtual, rank)
     modules = [stages[s] for s in mine]
     pipe = pipecomm.Pipeline(
         modules if virtual > 1 else modules[0],

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from models import VOCAB, LongSkip, ResidualCNN, gpt2, llama
-from ranks import needs_cuda, rank_device, run_ranks
+from ranks import held_stages, needs_cuda, rank_device, run_ranks
 
 import pipecomm
 
@@ -51,7 +51,7 @@ def train_and_compare(rank, world_size, build, loss_fn, make_batch, schedule, vi
     inputs, kwargs, _ = make_batch(100)
     example = tuple(value[:2] for value in inputs)
     example_kwargs = {key: value[:2] for key, value in kwargs.items()}
-    mine = [rank + chunk * world_size for chunk in range(virtual)]
+    mine = held_stages(schedule, world_size, micro_batches, virtual, rank)
     stages = pipecomm.split(model, num_stages, mine, example_inputs=example, example_kwargs=example_kwargs,
                             device=device)
     pipe = pipecomm.Pipeline(stages if virtual > 1 else stages[0], stage=mine if virtual > 1 else mine[0],
@@ -62,7 +62,8 @@ def train_and_compare(rank, world_size, build, loss_fn, make_batch, schedule, vi
     optimizer = torch.optim.AdamW(list({id(p): p for p in pipe.parameters()}.values()), lr=1e-2)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     tolerance = dict(rtol=1e-5, atol=1e-5) if kind == "cpu" else dict(rtol=1e-4, atol=1e-4)
-    for step in range(STEPS):
+    # "auto" switches to its plan after its third step: two more steps run the plan.
+    for step in range(STEPS + 2 if schedule == "auto" else STEPS):
         inputs, kwargs, target = make_batch(step)
         loss = pipe.step(*inputs, target=target, **kwargs)
         ref_loss = reference_step(reference, inputs, kwargs, target, loss_fn, micro_batches)
@@ -79,12 +80,14 @@ def train_and_compare(rank, world_size, build, loss_fn, make_batch, schedule, vi
         for name, buffer in stage.named_buffers():
             torch.testing.assert_close(buffer.cpu(), ref_buffers[name], **tolerance, msg=name)
     assert set(own) <= set(params)
+    assert schedule != "auto" or pipe.planned_costs is not None, "auto never switched to its plan"
     pipe.close()
     return "ok"
 
 
 LM_CASES = [
     ("gpipe", 2, 1, 4), ("1f1b", 2, 1, 4), ("zb-h1", 2, 1, 4), ("interleaved-1f1b", 2, 2, 4), ("1f1b", 4, 1, 4),
+    ("zb-v", 2, 2, 4), ("auto", 2, 1, 4),
 ]
 
 
