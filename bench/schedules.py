@@ -3,7 +3,8 @@
 Costs are one rank's share of the model per micro-batch (what a 1f1b stage computes): F, I, W, and B = I + W.
 The default costs are issue 18's measurements of one stage of the compute-bound GPT config on 2x H200 (ms).
 zb-h2 and zb-v are built by list scheduling for these costs; "plan 1x" and "plan 2x" are plan_schedule's choice at
-1x and 2x 1f1b's activation memory. Efficiency = useful compute / (ranks x step time);
+1x and 2x 1f1b's activation memory; "bound 1x" and "bound 2x" the most efficiency any schedule with one or two stages
+per rank can reach there. Efficiency = useful compute / (ranks x step time);
 memory = the fullest rank's peak activations in units of one 1f1b stage's micro-batch (1f1b: p).
 """
 
@@ -39,8 +40,25 @@ def table(costs: dict[str, float]) -> list[dict]:
             result = simulate(schedule, costs)
             row[name] = round(1.0 - result.bubble_fraction, 3)
             row[f"{name} mem"] = round(max(result.peak_memory), 2)
+        for limit in PLAN_MEMORY_LIMITS:
+            row[f"bound {limit:g}x"] = round(efficiency_bound(num_ranks, micro_batches, costs, limit), 4)
         rows.append(row)
     return rows
+
+
+def efficiency_bound(num_ranks: int, micro_batches: int, costs: dict[str, float], memory_limit: float) -> float:
+    """An upper bound on the efficiency of any schedule with one or two stages per rank under ``memory_limit``.
+
+    In halves of the model per rank (the V's or two looped chunks; one stage per rank only waits longer), the rank
+    whose deepest stage lies r stages before the last gets its first output gradient no sooner than 2p forwards and
+    r input-gradient passes after the start; until then only forwards can run, at most as many as its memory holds,
+    and none before its first input, r forwards in. Every rank runs the same m (F + I + W) of work.
+    """
+    forward, input_grad = costs["F"] / 2, costs["I"] / 2
+    held = int(2 * num_ranks * memory_limit + 1e-9)  # activations of half the rank's share
+    idle = max(max(rank * input_grad + (2 * num_ranks - held) * forward, rank * forward) for rank in range(num_ranks))
+    work = micro_batches * (costs["F"] + costs["I"] + costs["W"])
+    return work / (work + idle)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,11 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     forward, input_grad, weight_grad = (float(value) for value in args.costs.split(","))
     rows = table({"F": forward, "I": input_grad, "W": weight_grad})
     names = [*SCHEDULE_ARGUMENTS, *(f"plan {limit:g}x" for limit in PLAN_MEMORY_LIMITS)]
+    bounds = [f"bound {limit:g}x" for limit in PLAN_MEMORY_LIMITS]
     print(f"# efficiency (peak activation memory, 1f1b = p) at F={forward}, I={input_grad}, W={weight_grad}")
-    print("| p, m | " + " | ".join(names) + " |")
-    print("|---" * (len(names) + 1) + "|")
+    print("| p, m | " + " | ".join(names + bounds) + " |")
+    print("|---" * (len(names) + len(bounds) + 1) + "|")
     for row in rows:
         cells = [f"{row[name]:.3f} ({row[f'{name} mem']:g})" for name in names]
+        cells += [f"{row[name]:.3f}" for name in bounds]
         print(f"| {row['p']}, {row['m']} | " + " | ".join(cells) + " |")
     if args.json:
         from _common import write_json

@@ -11,7 +11,7 @@ import numpy as np
 
 from pipecomm.schedule import COMMUNICATION_KINDS, COMPUTE_KINDS, DEFAULT_COSTS, Schedule
 
-__all__ = ["Encoded", "encode", "kind_costs", "step_and_busy_times"]
+__all__ = ["Encoded", "compiled", "encode", "kind_costs", "step_and_busy_times"]
 
 _KINDS = COMPUTE_KINDS + COMMUNICATION_KINDS  # codes: F B I W SEND_F RECV_F SEND_B RECV_B = 0 .. 7
 _CODE = {kind: code for code, kind in enumerate(_KINDS)}
@@ -43,8 +43,9 @@ def step_and_busy_times(schedule: Schedule | Encoded, costs: Mapping[str, float]
     passes it ``encode``d once. Raises ValueError on a deadlock.
     """
     encoded = schedule if isinstance(schedule, Encoded) else encode(schedule)
-    finish, busy, stuck_rank = _runner()(encoded.actions, encoded.offsets, kind_costs(costs, encoded.stages_per_rank),
-                                         float(comm_time), encoded.num_stages, encoded.micro_batches)
+    finish, busy, stuck_rank = compiled(_run_python)(encoded.actions, encoded.offsets,
+                                                     kind_costs(costs, encoded.stages_per_rank), float(comm_time),
+                                                     encoded.num_stages, encoded.micro_batches)
     if stuck_rank >= 0:
         raise ValueError(f"deadlock: rank {stuck_rank} waits forever (simulate() names the actions)")
     return float(finish.max()), busy
@@ -93,11 +94,12 @@ def _run_python(actions, offsets, kind_costs, comm_time, num_stages, micro_batch
 
 
 @functools.cache
-def _runner():
-    """_run_python compiled by numba on first use (importing numba takes a while); without numba, as it is."""
+def compiled(function):
+    """``function`` compiled by numba on first use (importing numba takes a while); without numba, as it is."""
     try:
         import numba
     except ImportError:  # a machine without numba (the GPU images) gets the same results, at Python speed
-        warnings.warn("pipecomm: numba is not installed; schedule searches run at Python speed", stacklevel=3)
-        return _run_python
-    return numba.njit(cache=True)(_run_python)
+        warnings.warn("pipecomm: numba is not installed; schedules are simulated at Python speed and the planner "
+                      "skips its local search", stacklevel=3)
+        return function
+    return numba.njit(cache=True)(function)
