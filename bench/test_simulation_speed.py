@@ -1,5 +1,4 @@
-"""pytest-benchmark: the schedule simulator in Python (schedule.simulate) against its numba twin, zb-v at p = 8, m = 64;
-and plan_schedule at p = 8, m = 16 and 32."""
+"""pytest-benchmark: the simulator and the list scheduler in Python against their numba twins, and plan_schedule."""
 
 from __future__ import annotations
 
@@ -7,11 +6,16 @@ import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
 
 from pipecomm.fast_simulation import encode, step_and_busy_times
+from pipecomm.list_scheduling import _build_orders_python, build_orders
 from pipecomm.planner import plan_schedule
-from pipecomm.schedule import make_schedule, simulate
+from pipecomm.schedule import make_schedule, simulate, v_placement
 
 COSTS = {"F": 2.95, "I": 4.85, "W": 2.25}
 SCHEDULE = make_schedule("zb-v", num_ranks=8, micro_batches=64)  # v = 2
+# One of the planner's list-scheduling variants at p = 8, m = 32: the V at 1f1b's memory, the planner's costs per stage.
+BUILD_ARGS = (v_placement(8), 32, {kind: cost / 2 for kind, cost in COSTS.items()}, 8.0)
+BUILD_VARIANT = {"deepest_forward_first": True, "weights_before_forwards": False, "deepest_gradient_first": False,
+                 "first_stage_lead": None}
 
 
 def test_python_simulator(benchmark: BenchmarkFixture) -> None:
@@ -24,6 +28,18 @@ def test_numba_simulator(benchmark: BenchmarkFixture) -> None:
     step_and_busy_times(encoded, COSTS)  # compiles (or loads numba's cache) before timing
     step_time, _ = benchmark.pedantic(step_and_busy_times, args=(encoded, COSTS), rounds=200, iterations=1)
     benchmark.extra_info["step_time"] = step_time
+
+
+def test_python_list_scheduler(benchmark: BenchmarkFixture) -> None:
+    orders = benchmark.pedantic(_build_orders_python, args=BUILD_ARGS, kwargs=BUILD_VARIANT, rounds=5, iterations=1)
+    assert sum(map(len, orders)) == 3 * 32 * 16
+
+
+def test_numba_list_scheduler(benchmark: BenchmarkFixture) -> None:
+    expected = _build_orders_python(*BUILD_ARGS, **BUILD_VARIANT)
+    assert build_orders(*BUILD_ARGS, **BUILD_VARIANT) == expected  # and compiles (or loads numba's cache) before timing
+    orders = benchmark.pedantic(build_orders, args=BUILD_ARGS, kwargs=BUILD_VARIANT, rounds=50, iterations=1)
+    assert orders == expected
 
 
 @pytest.mark.parametrize("micro_batches", [16, 32])

@@ -28,9 +28,11 @@ class Encoded(NamedTuple):
 
 
 def encode(schedule: Schedule) -> Encoded:
-    rows = [(_CODE[action.kind], action.stage, action.micro_batch) for program in schedule.actions for action in program]
+    # One flat list: numpy converts it twice as fast as a list of row tuples, and the planner encodes ~50 schedules.
+    flat = [field for program in schedule.actions for action in program
+            for field in (_CODE[action.kind], action.stage, action.micro_batch)]
     offsets = np.cumsum([0] + [len(program) for program in schedule.actions]).astype(np.int64)
-    return Encoded(np.array(rows, dtype=np.int64).reshape(-1, 3), offsets, schedule.num_stages, schedule.micro_batches,
+    return Encoded(np.array(flat, dtype=np.int64).reshape(-1, 3), offsets, schedule.num_stages, schedule.micro_batches,
                    schedule.stages_per_rank)
 
 
@@ -99,7 +101,7 @@ def compiled(function):
     try:
         import numba
     except ImportError:  # a machine without numba (the GPU images) gets the same results, at Python speed
-        warnings.warn("pipecomm: numba is not installed; schedules are simulated at Python speed and the planner "
-                      "skips its local search", stacklevel=3)
+        warnings.warn("pipecomm: numba is not installed; schedules are simulated and list-scheduled at Python speed "
+                      "and the planner skips its local search", stacklevel=3)
         return function
     return numba.njit(cache=True)(function)

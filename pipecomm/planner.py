@@ -1,15 +1,13 @@
-"""The fastest schedule under a memory limit: named generators and list-scheduling variants, simulated on given costs,
-the best of them then reordered by a numba-jitted local search."""
+"""The fastest schedule under a memory limit: named and list-scheduled candidates, the fastest then locally searched."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 
-import numpy as np
-
-from pipecomm.fast_simulation import compiled, step_and_busy_times
-from pipecomm.list_scheduling import build_orders
+from pipecomm.fast_simulation import step_and_busy_times
+from pipecomm.list_scheduling import PASS_KINDS, build_orders
+from pipecomm.local_search import search_order
 from pipecomm.schedule import (
     Action,
     Schedule,
@@ -22,15 +20,6 @@ from pipecomm.schedule import (
 )
 
 __all__ = ["plan_schedule"]
-
-_KINDS = ("F", "I", "W")  # and their codes in the search's arrays: 0, 1, 2
-# The local search: moves tried, how far a pass moves, the start of the threshold (a share of the step) under which a
-# worse order is kept, and the weight of the ranks' spread of finish times in the score. Tuned at p = 8, m = 16 and
-# 32 on issue 18's costs: more moves gained < 0.1 %.
-_SEARCH_MOVES = 200_000
-_SEARCH_WINDOW = 16
-_SEARCH_THRESHOLD = 1e-4
-_SEARCH_SPREAD = 5e-3
 
 
 def plan_schedule(num_ranks: int, micro_batches: int, costs: Mapping[str, float], *,
@@ -52,12 +41,12 @@ def plan_schedule(num_ranks: int, micro_batches: int, costs: Mapping[str, float]
     if num_ranks < 1 or micro_batches < num_ranks:
         raise ValueError(f"plan_schedule: needs num_ranks >= 1 and micro_batches >= num_ranks, got num_ranks="
                          f"{num_ranks}, micro_batches={micro_batches}")
-    missing = [kind for kind in _KINDS if kind not in costs]
-    if missing or any(costs[kind] < 0 for kind in _KINDS):
+    missing = [kind for kind in PASS_KINDS if kind not in costs]
+    if missing or any(costs[kind] < 0 for kind in PASS_KINDS):
         raise ValueError(f"plan_schedule: costs needs F, I and W, each >= 0; got {dict(costs)}")
     if memory_limit < 1.0:
         raise ValueError(f"plan_schedule: memory_limit is in units of 1f1b's peak and must be >= 1, got {memory_limit}")
-    pass_costs = {kind: float(costs[kind]) for kind in _KINDS}
+    pass_costs = {kind: float(costs[kind]) for kind in PASS_KINDS}
     simulation_costs = {**pass_costs, "B": pass_costs["I"] + pass_costs["W"]}
     timed = []
     wanted = None if placement is None else tuple(placement)
@@ -74,7 +63,7 @@ def plan_schedule(num_ranks: int, micro_batches: int, costs: Mapping[str, float]
             validate(schedule)
         except ValueError:
             continue
-        return _searched(schedule, step_time, pass_costs, memory_limit)
+        return search_order(schedule, step_time, pass_costs, memory_limit)
     raise ValueError(f"plan_schedule: no schedule that places stages as {list(wanted or [])} on {num_ranks} ranks "
                      f"fits memory_limit={memory_limit:g}")
 
@@ -115,157 +104,3 @@ def _built(family: str, placement: tuple[int, ...], chunks: int, micro_batches: 
         return  # this cap holds too little for this placement
     actions = tuple(with_communication([Action(*compute) for compute in order], len(placement)) for order in orders)
     yield Schedule(f"planned ({family}-like)", max(placement) + 1, len(placement), micro_batches, actions, placement)
-
-
-def _searched(schedule: Schedule, step_time: float, costs: Mapping[str, float], memory_limit: float) -> Schedule:
-    """``schedule``, or the faster order the local search finds from it if the runtime can run that one too."""
-    search = compiled(_search_python)
-    if search is _search_python or step_time <= 0:
-        return schedule  # at Python speed the search would take minutes
-    order, lengths = _encode_passes(schedule)
-    memory_cap = int(memory_limit * schedule.num_ranks * schedule.stages_per_rank + 1e-9)
-    chunk_costs = np.array([costs[kind] / schedule.stages_per_rank for kind in _KINDS])
-    found = search(order, lengths, chunk_costs, schedule.num_stages, schedule.micro_batches, memory_cap,
-                   _SEARCH_MOVES, _SEARCH_WINDOW, _SEARCH_THRESHOLD * step_time, _SEARCH_SPREAD)
-    if found >= step_time - 1e-9:
-        return schedule
-    actions = tuple(with_communication([Action(_KINDS[kind], stage, micro_batch) for kind, stage, micro_batch
-                                        in order[rank, :lengths[rank]]], schedule.num_stages)
-                    for rank in range(schedule.num_ranks))
-    name = schedule.name if schedule.name.startswith("planned") else f"planned ({schedule.name}-like)"
-    searched = Schedule(name, schedule.num_ranks, schedule.num_stages, schedule.micro_batches, actions,
-                        schedule.placement)
-    try:  # the search keeps the channels' order but not their slots
-        validate(searched)
-    except ValueError:
-        return schedule
-    return searched
-
-
-def _encode_passes(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
-    """Each rank's compute passes as rows (kind code, stage, micro-batch), a B as its I then its W; and their counts."""
-    programs = [[(_KINDS.index(kind), action.stage, action.micro_batch) for action in program if action.is_compute
-                 for kind in (("I", "W") if action.kind == "B" else (action.kind,))] for program in schedule.actions]
-    order = np.zeros((len(programs), max(len(program) for program in programs), 3), dtype=np.int64)
-    for rank, program in enumerate(programs):
-        order[rank, :len(program)] = program
-    return order, np.array([len(program) for program in programs], dtype=np.int64)
-
-
-def _search_python(order, lengths, costs, num_stages, micro_batches, memory_cap, moves, window, threshold, spread):
-    """Threshold accepting over the ranks' pass orders: leaves the fastest order found in ``order``, returns its step.
-
-    ``order[r, k]`` is rank r's k-th pass (kind code, stage, micro-batch), ``lengths[r]`` how many it has, ``costs``
-    each kind's duration. A move takes one pass of one rank up to ``window`` places up or down. It is kept if the
-    order still runs (a same-rank pass it depends on stays before it, and the Fs and Is of a stage keep their order,
-    so that every channel receives in the order it sends), the rank's activations held from F to W never exceed
-    ``memory_cap``, and the score (the step, plus ``spread`` times the mean square of the ranks' finish times over
-    the step, which rewards the other ranks finishing early) grows by less than ``threshold``, which shrinks to
-    zero over the ``moves``. Transfers are free and never block, as in ``step_and_busy_times``. Deterministic: the
-    moves come from a Park-Miller generator, the same in Python and numba.
-    """
-    num_ranks = order.shape[0]
-
-    def finish_times(clock):
-        """Each rank's finish, written to ``clock``; False on a deadlock."""
-        forward_done = np.full((num_stages, micro_batches), -1.0)
-        input_grad_done = np.full((num_stages, micro_batches), -1.0)
-        position = np.zeros(num_ranks, dtype=np.int64)
-        clock[:] = 0.0
-        progress = True
-        while progress:
-            progress = False
-            for rank in range(num_ranks):
-                while position[rank] < lengths[rank]:
-                    kind, stage, micro_batch = order[rank, position[rank]]
-                    if kind == 0:
-                        ready = 0.0 if stage == 0 else forward_done[stage - 1, micro_batch]
-                    elif kind == 1:
-                        last = stage == num_stages - 1
-                        ready = forward_done[stage, micro_batch] if last else input_grad_done[stage + 1, micro_batch]
-                    else:
-                        ready = input_grad_done[stage, micro_batch]
-                    if ready < 0:
-                        break
-                    clock[rank] = max(clock[rank], ready) + costs[kind]
-                    if kind == 0:
-                        forward_done[stage, micro_batch] = clock[rank]
-                    elif kind == 1:
-                        input_grad_done[stage, micro_batch] = clock[rank]
-                    position[rank] += 1
-                    progress = True
-        for rank in range(num_ranks):
-            if position[rank] < lengths[rank]:
-                return False
-        return True
-
-    def score(clock):
-        step = clock.max()
-        return step + spread * (clock * clock).sum() / (num_ranks * step)
-
-    def must_precede(kind, stage, later_kind, later_stage):
-        """Whether a pass must stay before a later one of the same micro-batch on its rank."""
-        if kind == 0:
-            return (later_kind == 0 and later_stage == stage + 1) or (later_kind == 1 and later_stage == stage)
-        if kind == 1:
-            return (later_kind == 1 and later_stage == stage - 1) or (later_kind == 2 and later_stage == stage)
-        return False
-
-    def movable(rank, source, target):
-        kind, stage, micro_batch = order[rank, source]
-        low, high = (source + 1, target) if source < target else (target, source - 1)
-        for index in range(low, high + 1):
-            other_kind, other_stage, other_micro_batch = order[rank, index]
-            if other_kind == kind and other_stage == stage and kind != 2:
-                return False
-            if other_micro_batch == micro_batch and (
-                    must_precede(kind, stage, other_kind, other_stage) if source < target
-                    else must_precede(other_kind, other_stage, kind, stage)):
-                return False
-        return True
-
-    def fits(rank):
-        live = 0
-        for index in range(lengths[rank]):
-            if order[rank, index, 0] == 0:
-                live += 1
-                if live > memory_cap:
-                    return False
-            elif order[rank, index, 0] == 2:
-                live -= 1
-        return True
-
-    clock = np.zeros(num_ranks)
-    finish_times(clock)
-    current = score(clock)
-    best_step = clock.max()
-    best = order.copy()
-    saved = np.empty_like(order[0])
-    state = 1
-    for move in range(moves):
-        state = state * 48271 % 2147483647
-        rank = state % num_ranks
-        state = state * 48271 % 2147483647
-        source = state % lengths[rank]
-        state = state * 48271 % 2147483647
-        shift = state % (2 * window) - window
-        target = source + shift + (1 if shift >= 0 else 0)
-        if target < 0 or target >= lengths[rank] or not movable(rank, source, target):
-            continue
-        saved[:] = order[rank]
-        if source < target:
-            order[rank, source:target] = saved[source + 1:target + 1]
-        else:
-            order[rank, target + 1:source + 1] = saved[target:source]
-        order[rank, target] = saved[source]
-        if fits(rank) and finish_times(clock):
-            candidate = score(clock)
-            if candidate <= current + threshold * (1.0 - move / moves):
-                current = candidate
-                if clock.max() < best_step - 1e-9:
-                    best_step = clock.max()
-                    best[:] = order
-                continue
-        order[rank] = saved
-    order[:] = best
-    return best_step
