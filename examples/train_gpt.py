@@ -1,4 +1,5 @@
-"""Trains a small GPT with a tied embedding, pipeline × data parallel: torchrun --nproc_per_node N examples/train_gpt.py --pp P --dp D."""
+"""Trains a small GPT with a tied embedding, data × pipeline × tensor parallel: torchrun --nproc_per_node N
+examples/train_gpt.py --pp P --dp D --tp T [--fsdp] [--recompute]."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import pipecomm
 from pipecomm.schedule import make_schedule, simulate
@@ -19,22 +22,30 @@ class Block(nn.Module):
 
     def __init__(self, hidden: int, heads: int):
         super().__init__()
-        self.heads = heads
+        self.head_size = hidden // heads
         self.attention_norm = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
+        # Separate projections, so that tensor parallelism gives each rank whole heads of each.
+        self.query, self.key, self.value = (nn.Linear(hidden, hidden) for _ in range(3))
         self.projection = nn.Linear(hidden, hidden)
         self.mlp_norm = nn.LayerNorm(hidden)
         self.up = nn.Linear(hidden, 4 * hidden)
         self.down = nn.Linear(4 * hidden, hidden)
 
     def forward(self, x):
-        batch, seq, hidden = x.shape
-        q, k, v = self.qkv(self.attention_norm(x)).view(batch, seq, 3, self.heads, -1).unbind(2)
-        attended = nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        x = x + self.projection(attended.transpose(1, 2).reshape(batch, seq, hidden))
+        batch, seq, _ = x.shape
+        normed = self.attention_norm(x)
+        # -1 heads: under tensor parallelism this rank's share of them.
+        q, k, v = (layer(normed).view(batch, seq, -1, self.head_size).transpose(1, 2)
+                   for layer in (self.query, self.key, self.value))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.projection(attended.transpose(1, 2).reshape(batch, seq, -1))
         return x + self.down(nn.functional.gelu(self.up(self.mlp_norm(x))))
+
+    def parallelize(self, mesh) -> None:
+        """Megatron's split: heads and the MLP's inner width across the mesh, one all-reduce after each half."""
+        parallelize_module(self, mesh, {"query": ColwiseParallel(), "key": ColwiseParallel(),
+                                        "value": ColwiseParallel(), "projection": RowwiseParallel(),
+                                        "up": ColwiseParallel(), "down": RowwiseParallel()})
 
 
 class GPT(nn.Module):
@@ -88,6 +99,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / dp)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (heads and MLP split)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard each block over the data-parallel replicas with torch's fully_shard")
+    parser.add_argument("--recompute", action="store_true", help="recompute each stage's forward in its backward")
     parser.add_argument("--schedule", default="1f1b",
                         choices=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "auto"])
     parser.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank for interleaved-1f1b")
@@ -103,7 +118,9 @@ def main() -> None:
     parser.add_argument("--data", default=None, help="a text file to train on (bytes); synthetic data otherwise")
     args = parser.parse_args()
 
-    context = pipecomm.init(pipeline_size=args.pp, data_size=args.dp)
+    context = pipecomm.init(pipeline_size=args.pp, data_size=args.dp, tensor_size=args.tp)
+    if args.heads % args.tp:
+        raise SystemExit(f"--heads {args.heads} must be divisible by --tp {args.tp}")
     virtual = {"interleaved-1f1b": args.virtual_stages, "zb-v": 2}.get(args.schedule, 1)
     num_stages = context.num_stages * virtual
     if args.layers % num_stages:
@@ -115,21 +132,28 @@ def main() -> None:
     stages = list(make_schedule(planned_as, context.num_stages, args.micro_batches, virtual).stages_of(context.stage))
     modules = pipecomm.split(model, num_stages, stages if virtual > 1 else stages[0], balance="parameters",
                              device=context.device)
+    held = modules if isinstance(modules, list) else [modules]
+    for block in (layer for module in held for layer in module.modules() if isinstance(layer, Block)):
+        if args.tp > 1:
+            block.parallelize(context.mesh["tp"])
+        if args.fsdp:
+            fully_shard(block, mesh=context.mesh["dp"])  # the tied embedding and head stay replicated
     pipe = pipecomm.Pipeline(
         modules, stage=stages if virtual > 1 else stages[0], num_stages=num_stages, loss_fn=loss_fn,
         micro_batches=args.micro_batches, schedule=args.schedule, group=context.pipeline_group,
         data_group=context.data_group, device=context.device, cuda_graphs=args.cuda_graphs,
         device_timing=context.device.type == "cuda",  # the bubble the GPUs saw, not the host's launch time
+        recompute=args.recompute,
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     data = Data(args.data, args.seq, 256)
     replica_batch = args.micro_batches * args.micro_batch_size
     global_tokens = replica_batch * args.seq * context.data_size
     theory = simulate(make_schedule(planned_as, context.num_stages, args.micro_batches, virtual)).bubble_fraction
-    reporter = context.stage == context.num_stages - 1 and context.dp_rank == 0
+    reporter = context.stage == context.num_stages - 1 and context.dp_rank == 0 and context.tp_rank == 0
     if reporter:
         print(f"GPT {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, pp={context.num_stages} "
-              f"dp={context.data_size} on {context.device.type}, schedule {args.schedule}, "
+              f"dp={context.data_size}{' (FSDP)' if args.fsdp else ''} tp={context.tensor_size} on {context.device.type}, schedule {args.schedule}, "
               f"theoretical bubble {theory:.3f}", flush=True)
     for step in range(1, args.steps + 1):
         inputs, targets = data.batch(step * context.data_size + context.dp_rank, replica_batch)

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 __all__: list[str] = []
 
@@ -121,6 +122,10 @@ class StructureChannel:
 
     def send(self, flat: Flat, micro_batches: int, batch_size: int | None = None) -> None:
         """``batch_size`` (the whole batch's, as the first stage got it) lets the last stage check its targets."""
+        if any(isinstance(tensor, DTensor) for tensor in flat.tensors):
+            raise TypeError("a stage's output holds a DTensor: a tensor-parallel stage must hand the next stage plain "
+                            "local tensors (use_local_output=True, the default of ColwiseParallel, RowwiseParallel and "
+                            "PrepareModuleOutput), which the same tensor-parallel rank of the next stage receives")
         header = _Header(flat.layout, tuple(tensor.requires_grad for tensor in flat.tensors), micro_batches, batch_size)
         encoded = None
         if not _same_header(header, self._sent):

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipecomm import boundary
 from pipecomm._ops import accumulate_
@@ -109,10 +110,13 @@ class GradientSink:
 
     With ``main_grad``, the bf16/fp16 parameters that require grad share one flat fp32 buffer; one
     unfrozen later gets a buffer of its own with its first gradient. Frozen parameters get no gradient.
+    With ``live`` (a stage sharded by FSDP), ``params`` are the module's parameters at the time they
+    are read: FSDP swaps its unsharded ones in while they are gathered, and those are what autograd sees.
     """
 
-    def __init__(self, params: list[nn.Parameter], main_grad: bool):
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], main_grad: bool, live: nn.Module | None = None):
+        self._params = params
+        self._live = live
         self.main_grad = main_grad
         if main_grad:
             low_precision = [p for p in params if p.dtype in _LOW_PRECISION and p.requires_grad]
@@ -124,13 +128,18 @@ class GradientSink:
                 param.main_grad = self.flat_main_grad[offset : offset + param.numel()].view_as(param)
                 offset += param.numel()
 
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return list(self._live.parameters()) if self._live is not None else self._params
+
     def target(self, param: nn.Parameter) -> torch.Tensor | None:
         if self.main_grad and param.dtype in _LOW_PRECISION:
             return getattr(param, "main_grad", None)
         return param.grad
 
     def add(self, grads: Sequence[torch.Tensor | None], params: Sequence[nn.Parameter] | None = None) -> None:
-        """Adds one micro-batch's gradients of ``params`` (default: all): one fused launch per dtype pair."""
+        """Adds one micro-batch's gradients of ``params`` (default: all): one fused launch per dtype pair (DTensors,
+        a tensor-parallel layer's, add through their own dispatch)."""
         accumulators, sources = [], []
         for param, grad in zip(self.params if params is None else params, grads):
             if grad is None:
@@ -138,7 +147,7 @@ class GradientSink:
             target = self.target(param)
             if target is None:
                 self._start(param, grad)
-            elif (target.dtype, grad.dtype) in _NATIVE_PAIRS:
+            elif (target.dtype, grad.dtype) in _NATIVE_PAIRS and not isinstance(target, DTensor):
                 accumulators.append(target)
                 sources.append(grad)
             else:

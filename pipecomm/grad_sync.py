@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipecomm.executor import GradientSink
 from pipecomm.failure import Collective
@@ -45,7 +47,7 @@ class SharedParameters:
     def synchronize_values(self, wait: Callable[[Collective], None]) -> None:
         """Every holder starts from the value of the lowest stage that holds the parameter."""
         for param, holders, group in self.entries:
-            data = param.data
+            data = local_shard(param.data)
             wait(Collective(lambda: dist.broadcast(data, src=holders[0], group=group, async_op=True),
                             [data], group, f"the broadcast of a shared parameter among ranks {holders}"))
 
@@ -54,29 +56,31 @@ class SharedParameters:
         for param, holders, group in self.entries:
             if not param.requires_grad:
                 continue
-            grad = _grad_or_zeros(sink_for(param), param)
+            grad = local_shard(_grad_or_zeros(sink_for(param), param))
             wait(Collective(lambda: dist.all_reduce(grad, group=group, async_op=True), [grad], group,
                             f"the all-reduce of a shared parameter's gradient among ranks {holders}"))
 
 
 class DataParallelGrads:
-    """Averages each stage's gradients over its data-parallel replicas.
+    """Averages each stage's gradients over its data-parallel replicas (but those of ``skip``, ids of the parameters
+    FSDP reduces itself).
 
     A stage's all-reduce starts as soon as its last micro-batch's backward is done, so it overlaps
     the rest of the pipeline's flush; ``finish`` waits for them at the end of the step.
     """
 
-    def __init__(self, sinks: dict[int, GradientSink], group: dist.ProcessGroup):
+    def __init__(self, sinks: dict[int, GradientSink], group: dist.ProcessGroup, skip: set[int] = frozenset()):
         self.sinks = sinks
         self.group = group
         self.size = dist.get_world_size(group)
+        params = {stage: [p for p in sink.params if id(p) not in skip] for stage, sink in sinks.items()}
         holders: dict[int, list[int]] = {}
-        for stage, sink in sinks.items():
-            for param in sink.params:
+        for stage, own in params.items():
+            for param in own:
                 holders.setdefault(id(param), []).append(stage)
         # A parameter of two stages on this rank is complete only when both are: reduce it last.
-        self._own = {stage: [p for p in sink.params if len(holders[id(p)]) == 1] for stage, sink in sinks.items()}
-        self._late = list({id(p): (stage, p) for stage, sink in sinks.items() for p in sink.params
+        self._own = {stage: [p for p in own if len(holders[id(p)]) == 1] for stage, own in params.items()}
+        self._late = list({id(p): (stage, p) for stage, own in params.items() for p in own
                            if len(holders[id(p)]) > 1}.values())
         self._in_flight: list[tuple[Collective, torch.Tensor]] = []
 
@@ -97,10 +101,16 @@ class DataParallelGrads:
     def _reduce(self, stage: int, param: nn.Parameter) -> None:
         if not param.requires_grad:
             return  # frozen: no gradient, on every replica alike
-        grad = _grad_or_zeros(self.sinks[stage], param)
+        grad = local_shard(_grad_or_zeros(self.sinks[stage], param))
         collective = Collective(lambda: dist.all_reduce(grad, group=self.group, async_op=True), [grad], self.group,
                                 f"the data-parallel all-reduce of stage {stage}'s gradients")
         self._in_flight.append((collective, grad))
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """What a process group reduces of a gradient: a DTensor's (a tensor-parallel layer's) local shard, which it
+    shares storage with."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _grad_or_zeros(sink: GradientSink, param: nn.Parameter) -> torch.Tensor:
@@ -109,3 +119,27 @@ def _grad_or_zeros(sink: GradientSink, param: nn.Parameter) -> torch.Tensor:
     if sink.target(param) is None:
         sink.add([torch.zeros_like(param)], [param])
     return sink.target(param)
+
+
+def stage_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The max (inf) or the sum of squares (2) of a rank's gradients, as a 0-d fp32 tensor on the host or its GPU.
+
+    A DTensor gradient (FSDP's shard, a tensor-parallel layer's) counts whole: its part is reduced over its
+    mesh (``full_tensor``) with the others of its mesh and placements, in the order of their first gradient,
+    which every rank of that mesh shares.
+    """
+    def part(grad: torch.Tensor) -> torch.Tensor:
+        return grad.abs().max().float() if norm_type == math.inf else grad.float().pow(2).sum()
+
+    combine = torch.max if norm_type == math.inf else torch.sum
+    parts = [part(grad) for grad in grads if not isinstance(grad, DTensor)]
+    by_layout: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            by_layout.setdefault((grad.device_mesh, grad.placements), []).append(part(grad))
+    for same_layout in by_layout.values():
+        reduced = same_layout[0]
+        for other in same_layout[1:]:
+            reduced = torch.maximum(reduced, other) if norm_type == math.inf else reduced + other
+        parts.append(reduced.full_tensor())
+    return combine(torch.stack(parts)) if parts else torch.zeros(())

@@ -1,4 +1,4 @@
-"""``pipecomm.init``: torch.distributed from the torchrun environment, and the pipeline and data-parallel groups."""
+"""``pipecomm.init``: torch.distributed from the torchrun environment, and the data, pipeline and tensor-parallel mesh."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ __all__ = ["ParallelContext", "init"]
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """Where this process sits: its pipeline stage and data-parallel replica, their groups, its device."""
+    """Where this process sits: its pipeline stage, data-parallel replica and tensor-parallel shard, their groups, its
+    device, and the ("dp", "pp", "tp") mesh for torch's own APIs (``fully_shard(..., mesh=ctx.mesh["dp"])``,
+    ``parallelize_module(..., ctx.mesh["tp"], ...)``)."""
 
     rank: int
     world_size: int
@@ -24,34 +26,31 @@ class ParallelContext:
     num_stages: int
     dp_rank: int
     data_size: int
+    tp_rank: int
+    tensor_size: int
     pipeline_group: dist.ProcessGroup
     data_group: dist.ProcessGroup
+    tensor_group: dist.ProcessGroup
     device: torch.device
     mesh: DeviceMesh
 
 
-def init(pipeline_size: int | None = None, data_size: int = 1, *, timeout: float = 300.0) -> ParallelContext:
-    """Initialises torch.distributed (NCCL on GPUs, gloo on CPU) and a (data, pipeline) device mesh.
+def init(pipeline_size: int | None = None, data_size: int = 1, tensor_size: int = 1, *,
+         timeout: float = 300.0) -> ParallelContext:
+    """Initialises torch.distributed (NCCL on GPUs, gloo on CPU) and a ("dp", "pp", "tp") device mesh.
 
-    Reads torchrun's RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; with none of them set it
-    runs as a single process. An already initialised default group is used as it is. Ranks are laid out pipeline-major: consecutive ranks form one
-    pipeline, so a pipeline's neighbours share a host and its IPC channels whenever possible.
+    Reads torchrun's RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; with none of them set it runs as a
+    single process. An already initialised default group is used as it is. data_size × pipeline_size ×
+    tensor_size must be the world size (``pipeline_size`` defaults to what is left). Tensor parallelism is
+    innermost, then the pipeline: consecutive ranks form a tensor-parallel group, which then shares a host
+    (its all-reduces are the most frequent), and a pipeline's neighbours are as close as the rest allows.
     """
     if dist.is_initialized():
         world_size, rank = dist.get_world_size(), dist.get_rank()
     else:
         world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if data_size < 1:
-        raise ValueError(f"init: data_size must be at least 1, got {data_size}")
-    if pipeline_size is None:
-        if world_size % data_size:
-            raise ValueError(f"init: world size {world_size} is not divisible by data_size={data_size}")
-        pipeline_size = world_size // data_size
-    if pipeline_size < 1 or pipeline_size * data_size != world_size:
-        raise ValueError(
-            f"init: pipeline_size × data_size must equal the world size: {pipeline_size} × {data_size} != {world_size}"
-        )
+    pipeline_size = _check_sizes(world_size, pipeline_size, data_size, tensor_size)
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -67,7 +66,7 @@ def init(pipeline_size: int | None = None, data_size: int = 1, *, timeout: float
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
-    mesh = init_device_mesh(device.type, (data_size, pipeline_size), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh(device.type, (data_size, pipeline_size, tensor_size), mesh_dim_names=("dp", "pp", "tp"))
     return ParallelContext(
         rank=rank,
         world_size=world_size,
@@ -75,11 +74,30 @@ def init(pipeline_size: int | None = None, data_size: int = 1, *, timeout: float
         num_stages=pipeline_size,
         dp_rank=mesh.get_local_rank("dp"),
         data_size=data_size,
+        tp_rank=mesh.get_local_rank("tp"),
+        tensor_size=tensor_size,
         pipeline_group=mesh.get_group("pp"),
         data_group=mesh.get_group("dp"),
+        tensor_group=mesh.get_group("tp"),
         device=device,
         mesh=mesh,
     )
+
+
+def _check_sizes(world_size: int, pipeline_size: int | None, data_size: int, tensor_size: int) -> int:
+    """The pipeline size, once data × pipeline × tensor is known to be the world size: before any communication."""
+    for name, size in (("data_size", data_size), ("tensor_size", tensor_size), ("pipeline_size", pipeline_size)):
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"init: {name} must be a positive int, got {size!r}")
+    if pipeline_size is None:
+        if world_size % (data_size * tensor_size):
+            raise ValueError(f"init: the world size {world_size} is not divisible by data_size × tensor_size = "
+                             f"{data_size} × {tensor_size}")
+        pipeline_size = world_size // (data_size * tensor_size)
+    if data_size * pipeline_size * tensor_size != world_size:
+        raise ValueError(f"init: data_size × pipeline_size × tensor_size must equal the world size: {data_size} × "
+                         f"{pipeline_size} × {tensor_size} != {world_size}")
+    return pipeline_size
 
 
 def _free_port() -> int:

@@ -9,6 +9,7 @@ import json
 import math
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -22,10 +23,12 @@ from pipecomm.device_timing import DeviceTimeline
 from pipecomm.auto_schedule import CostMeter, initial_schedule
 from pipecomm.executor import GradientSink, StageExecutor, naming_transfer
 from pipecomm.failure import Collective, FailureNotes, PeerFailedError, describe
-from pipecomm.grad_sync import DataParallelGrads, SharedParameters
+from pipecomm.grad_sync import DataParallelGrads, SharedParameters, local_shard, stage_norm
 from pipecomm.partition import StageModule
 from pipecomm.planner import plan_schedule
+from pipecomm.recompute import checkpoint_stages
 from pipecomm.schedule import SCHEDULES, Schedule, looped_placement, make_schedule, validate
+from pipecomm.sharded_stages import ShardedStages
 from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
 from pipecomm.transport import ChannelError, keep_forever
 
@@ -59,10 +62,18 @@ class Pipeline:
     (``pipecomm.init`` makes both).
     Parameters that ``pipecomm.split`` found shared between stages (a tied embedding and LM head)
     start from the lowest holder's value and have their gradients summed across the holders.
+    Stage modules may hold torch's ``fully_shard`` modules (FSDP2 over the data-parallel mesh): they stay
+    gathered through a step and have their gradients reduce-scattered once, after the stage's last
+    backward, and resharded; ``data_group``'s all-reduce then covers only the other parameters. Tensor-
+    parallel layers (``parallelize_module``) work as they are, each tp rank of a stage talking to the same
+    tp rank of the next; what crosses a stage boundary must be plain local tensors.
     ``cuda_graphs=True`` captures each stage's forward and backward as CUDA graphs at the first
     step and replays them, for small models bound by kernel launches; shapes must then stay fixed
     (gpipe, 1f1b and interleaved-1f1b). ``device_timing=True`` times compute actions with CUDA
     events, so that ``bubble_fraction()`` reports the GPU's bubble.
+    ``recompute=True`` recomputes each stage's forward during its backward (activation checkpointing),
+    keeping only the stage's inputs between the two; a callable ``module -> bool`` checkpoints only the
+    submodules it picks (selective recomputation, as Megatron's ``recompute_modules``).
 
     **Failures.** If a call fails on one rank (a bad batch, an error in a stage or the loss, a dead
     peer), that rank publishes its error through the job's store and closes its channels; every
@@ -93,6 +104,7 @@ class Pipeline:
         main_grad: bool = False,
         cuda_graphs: bool = False,
         device_timing: bool = False,
+        recompute: bool | Callable[[nn.Module], bool] = False,
     ):
         modules = list(module) if isinstance(module, (list, tuple)) else [module]
         stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
@@ -107,6 +119,7 @@ class Pipeline:
         self._closed = False
         self._channels: dict[tuple[int, str], object] = {}
         self._undo_deferral: Callable[[], None] = lambda: None
+        self._undo_recompute: Callable[[], None] = lambda: None
         self._loss_wire: torch.Tensor | None = None
         self.planned_costs: dict[str, float] | None = None  # schedule="auto": the F, I and W it planned for
         with self._failing_fast("building the Pipeline"):
@@ -130,9 +143,16 @@ class Pipeline:
             for flag, value in (("cuda_graphs", cuda_graphs), ("device_timing", device_timing)):
                 if value and self.device.type != "cuda":
                     raise ValueError(f"Pipeline: {flag}=True needs stages on a CUDA device, not {self.device}")
-            self._sinks = {s: GradientSink(list(self.modules[s].parameters()), main_grad) for s in self.stages}
+            self._sharded = ShardedStages(self.modules)
+            if self._sharded and (cuda_graphs or main_grad):
+                raise ValueError("Pipeline: stages sharded with fully_shard take neither cuda_graphs=True nor "
+                                 "main_grad=True (FSDP's MixedPrecisionPolicy(reduce_dtype=torch.float32) keeps fp32 "
+                                 "gradients)")
+            self._sinks = {s: GradientSink(list(self.modules[s].parameters()), main_grad,
+                                           live=self.modules[s] if self._sharded.holds(s) else None)
+                           for s in self.stages}
             self._data_parallel = (
-                DataParallelGrads(self._sinks, data_group)
+                DataParallelGrads(self._sinks, data_group, skip=self._sharded.sharded_parameters())
                 if data_group is not None and dist.get_world_size(data_group) > 1
                 else None
             )
@@ -140,12 +160,13 @@ class Pipeline:
             store = WeightGradStore() if splits_backward else None
             self._executor = StageExecutor(
                 self.schedule, self.rank, self.modules, self._sinks, self._channels, loss_fn,
-                on_stage_backward_done=self._data_parallel.start if self._data_parallel else None,
+                on_stage_backward_done=self._stage_gradients_final,
                 weight_grad_store=store, cuda_graphs=cuda_graphs,
                 device_timeline=(DeviceTimeline(self.device)
                                  if device_timing or (self._costs is not None and self.device.type == "cuda") else None),
             )
             self._device_timing = device_timing
+            self._undo_recompute = checkpoint_stages(modules, recompute, cuda_graphs=cuda_graphs)
             self._connect(transport, timeout)
             if store:
                 self._undo_deferral = defer_linear_weight_grads(modules, store)
@@ -156,8 +177,15 @@ class Pipeline:
                 else None
             )
             if self._shared:
+                sharded = self._sharded.sharded_parameters()
+                if any(id(param) in sharded for param, _, _ in self._shared.entries):
+                    raise ValueError("Pipeline: a parameter shared between stages (a tied embedding and head) is "
+                                     "sharded by fully_shard; keep it out of fully_shard (shard the blocks)")
                 self._shared.synchronize_values(self._wait)
         _live.add(self)
+        if self.num_ranks > 1:
+            global _ran_on_several_ranks
+            _ran_on_several_ranks = True
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for stage in self.stages:
@@ -241,6 +269,7 @@ class Pipeline:
                         channel = self._channels[(self.schedule.stage_rank(stage + 1), "act")]
                         channel.send(boundary.flatten(output), micro_batches)
             micro_batch += 1
+        self._sharded.reshard()
         result = microbatch.join(outputs) if outputs else None
         if broadcast_result and self.num_ranks > 1:
             result = self._broadcast_from_last(result)
@@ -252,14 +281,8 @@ class Pipeline:
             raise ValueError(f"clip_grad_norm_: norm_type must be 2 or inf, not {norm_type}")
         with self._call("clip_grad_norm_"):
             grads = [g for sink in self._sinks.values() for p in sink.params if (g := sink.target(p)) is not None]
-            device = self._wire_device()
-            if norm_type == math.inf:
-                local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros(())
-                op = dist.ReduceOp.MAX
-            else:
-                local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-                op = dist.ReduceOp.SUM
-            total = local.to(device)
+            op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+            total = stage_norm(grads, norm_type).to(self._wire_device())
             if self.num_ranks > 1:
                 self._wait(Collective(lambda: dist.all_reduce(total, op=op, group=self.group, async_op=True),
                                       [total], self.group,
@@ -267,7 +290,7 @@ class Pipeline:
             norm = total if norm_type == math.inf else total.sqrt()
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             if grads:
-                torch._foreach_mul_(grads, scale.to(grads[0].device))
+                torch._foreach_mul_([local_shard(grad) for grad in grads], scale.to(grads[0].device))
             return norm
 
     def bubble_fraction(self) -> float:
@@ -349,10 +372,17 @@ class Pipeline:
         self._closed = True
         _live.discard(self)
         self._undo_deferral()
+        self._undo_recompute()
         for channel in set(self._channels.values()):
             channel.close()
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _stage_gradients_final(self, stage: int) -> None:
+        """A stage's last backward of the step is done: its gradients go to their reductions over the replicas."""
+        self._sharded.finish(stage)
+        if self._data_parallel:
+            self._data_parallel.start(stage)
 
     def _switch_to_plan(self) -> None:
         """schedule="auto", after the measured steps: the slowest rank's F, I and W (a max over the pipeline, so that
@@ -431,8 +461,9 @@ class Pipeline:
         """Closes everything at once, telling each peer why; never raises (peers may be gone)."""
         self._closed = True
         _live.discard(self)
-        with contextlib.suppress(Exception):
-            self._undo_deferral()
+        for undo in (self._undo_deferral, self._undo_recompute):
+            with contextlib.suppress(Exception):
+                undo()
         for channel in set(self._channels.values()):
             with contextlib.suppress(Exception):
                 channel.abort(reason)
@@ -562,12 +593,6 @@ _calls = _CallGuard()
 _live: weakref.WeakSet[Pipeline] = weakref.WeakSet()
 
 
-def _close_live_pipelines() -> None:
-    for pipe in list(_live):
-        with contextlib.suppress(Exception):
-            pipe.close()
-
-
 def _fail_live_pipelines(exc_type, exc_value, traceback) -> None:
     """An uncaught exception ends this process: its Pipelines fail first, so that their peers raise with its cause."""
     for pipe in list(_live):
@@ -576,7 +601,22 @@ def _fail_live_pipelines(exc_type, exc_value, traceback) -> None:
     _previous_excepthook(exc_type, exc_value, traceback)
 
 
-atexit.register(_close_live_pipelines)
+def _at_exit() -> None:
+    for pipe in list(_live):
+        with contextlib.suppress(Exception):
+            pipe.close()
+    if _ran_on_several_ranks:
+        # A gloo worker thread drops its references to a finished collective's tensors after the collective
+        # completes; dropping the last one needs the GIL, and a worker that asks for it once the interpreter is
+        # finalizing aborts the process ("terminate called without an active exception", pytorch#190489). A
+        # program's last collective (a metric's all-reduce, all_gather_object) may have finished just before it
+        # exits: give the workers the GIL for a moment while the interpreter is still whole.
+        time.sleep(_WORKER_GRACE_SECONDS)
+
+
+_WORKER_GRACE_SECONDS = 0.05
+_ran_on_several_ranks = False  # set by the first Pipeline of several ranks
+atexit.register(_at_exit)
 _previous_excepthook = sys.excepthook
 sys.excepthook = _fail_live_pipelines
 

@@ -4,11 +4,14 @@ Zero-bubble schedules run a stage's backward in two parts so that the part the p
 for (the input gradients) runs first and the rest fills the bubbles. As in the zero-bubble paper's
 and Megatron's implementations, what is deferred is the weight-gradient GEMM of every ``nn.Linear``
 (half of a transformer's backward FLOPs). The I pass is an ordinary autograd backward that does not
-ask for those weights, so autograd's own Linear backward skips their GEMMs; a hook on each layer's
-output records the gradient arriving there, and W turns it and the layer's input into the weight
-gradient, accumulated straight into the gradient buffer by the GEMM. Every other parameter (norms,
-embeddings, biases, custom layers) gets its gradient during I, and I frees the autograd graph as an
-ordinary backward does, so between I and W a micro-batch holds only what W needs.
+ask for those weights, so autograd's own Linear backward skips their GEMMs; an identity node on each
+layer's output records the gradient arriving there, and W turns it and the layer's input into the weight
+gradient, accumulated straight into the gradient buffer by the GEMM. That node keeps the input as a
+tensor saved for backward, so inside a checkpointed region (``recompute``) the input is dropped after
+the forward and recomputed like every other saved activation rather than pinned until the backward.
+Every other parameter (norms, embeddings, biases, custom layers) gets its gradient during I, and I
+frees the autograd graph as an ordinary backward does, so between I and W a micro-batch holds only
+what W needs.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__: list[str] = []
 
@@ -42,23 +46,44 @@ def weight_grad(grad_output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
 
 
-def _after_forward(store: WeightGradStore, layer: nn.Linear, args: tuple, output) -> None:
+class _ReportInput(torch.autograd.Function):
+    """Identity on a Linear's output; its backward hands (weight, input, output gradient) to the store."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, x: torch.Tensor, weight: tuple[nn.Parameter], store: WeightGradStore,
+                deferred: bool) -> torch.Tensor:
+        # Saved, not closed over: a checkpoint's saved-tensor hooks then drop it and recompute it for the backward.
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.store, ctx.deferred = weight[0], store, deferred
+        # An alias that is no view: a stage's executor may still free a sent output that nothing saved.
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        if ctx.deferred and ctx.store.collecting is not None:
+            ctx.store.collecting.append((ctx.weight, x, grad_output))
+        return grad_output, None, None, None, None
+
+
+def _after_forward(store: WeightGradStore, layer: nn.Linear, args: tuple, output):
     # Whether the weight is frozen is read here, at each forward: users freeze and unfreeze between steps.
-    if store.recording is None or not layer.weight.requires_grad or not output.requires_grad:
-        return
+    if not layer.weight.requires_grad or not output.requires_grad:
+        return None
+    if isinstance(layer.weight, DTensor):
+        return None  # tensor-parallel: its input and output gradient are laid out across ranks; I computes it
     x = args[0]
     if not (x.requires_grad or (layer.bias is not None and layer.bias.requires_grad)):
         # Nothing the I pass asks for runs through this layer's backward, so it would never see the
         # output gradient: this micro-batch's I computes the weight gradient as usual.
-        return
-    weight = layer.weight
-    store.recording.add(id(weight))
-
-    def capture(grad_output: torch.Tensor) -> None:
-        if store.collecting is not None:
-            store.collecting.append((weight, x, grad_output))
-
-    output.register_hook(capture)
+        return None
+    deferred = store.recording is not None
+    if deferred:
+        store.recording.add(id(layer.weight))
+    # Applied outside a step's forwards too (deferring nothing): a checkpoint's recomputation, which runs
+    # during the backward, must save the same tensors as the forward it replays.
+    # The weight goes in a tuple, so that the node gets no gradient edge to it.
+    return _ReportInput.apply(output, x, (layer.weight,), store, deferred)
 
 
 def defer_linear_weight_grads(modules: Iterable[nn.Module], store: WeightGradStore) -> Callable[[], None]:

@@ -91,3 +91,10 @@ def test_stage_costs_measures_f_i_w_and_tabulates(tmp_path):
     overhead = json.loads(out.read_text())["configs"]["overhead"]
     assert all(overhead["costs_ms"][kind] > 0 for kind in ("F", "I", "W"))
     assert len(overhead["simulated"]) == 5 and "# overhead: one stage (4 layers)" in result.stdout
+
+
+def test_recompute_memory_smoke_keeps_less_with_recomputation(tmp_path):
+    result = run_bench("recompute_memory.py", "--stages", "2", "--json", str(tmp_path / "recompute.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row["mode"]: row for row in json.loads((tmp_path / "recompute.json").read_text())["rows"]}
+    assert rows["stage"]["kept_MiB"] < rows["layers"]["kept_MiB"] < rows["none"]["kept_MiB"]

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from models import HIDDEN, Block
 from ranks import held_stages, needs_cuda, rank_device, run_ranks
 
 import pipecomm
 from pipecomm import executor
 
-HIDDEN = 8
 BATCH = 8
 SEQ = 3
 STEPS = 3
@@ -92,16 +92,6 @@ def train_like_one_process(rank, world_size, build, make_batch, loss_fn, schedul
             torch.testing.assert_close(param.detach().cpu(), ref_param.detach(), **tolerance, msg=name)
         pipe.close()
     return "ok"
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.proj = nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, x):
-        return x + torch.tanh(self.proj(self.norm(x)))
 
 
 # -- frozen parameters -------------------------------------------------------------------------

@@ -167,12 +167,22 @@ def test_checkpoint_merge_loads_into_the_unsplit_model(tmp_path):
 
 
 def bad_mesh(rank: int, world_size: int) -> str:
-    with pytest.raises(ValueError, match=r"pipeline_size × data_size must equal the world size: 3 × 1 != 2"):
+    with pytest.raises(ValueError, match=r"data_size × pipeline_size × tensor_size must equal the world size: "
+                                         r"1 × 3 × 1 != 2"):
         pipecomm.init(pipeline_size=3)
-    with pytest.raises(ValueError, match="not divisible by data_size=3"):
+    with pytest.raises(ValueError, match=r"1 × 2 × 2 != 2"):
+        pipecomm.init(pipeline_size=2, tensor_size=2)
+    with pytest.raises(ValueError, match=r"not divisible by data_size × tensor_size = 3 × 1"):
         pipecomm.init(data_size=3)
+    with pytest.raises(ValueError, match=r"not divisible by data_size × tensor_size = 1 × 4"):
+        pipecomm.init(tensor_size=4)
+    with pytest.raises(ValueError, match=r"tensor_size must be a positive int, got 0"):
+        pipecomm.init(tensor_size=0)
+    context = pipecomm.init(tensor_size=2)
+    assert (context.num_stages, context.tensor_size, context.tp_rank) == (1, 2, rank)
+    assert context.mesh.mesh_dim_names == ("dp", "pp", "tp")
     return "ok"
 
 
-def test_init_rejects_a_mesh_that_does_not_fill_the_world(tmp_path):
+def test_init_checks_the_sizes_and_builds_the_dp_pp_tp_mesh(tmp_path):
     run_ranks(2, bad_mesh, tmp_path)

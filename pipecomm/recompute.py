@@ -1,0 +1,89 @@
+"""Activation recomputation: stage modules, or the submodules a callable picks, run under torch.utils.checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__: list[str] = []
+
+_MISSING = object()
+
+
+def checkpoint_stages(modules: list[nn.Module], recompute: bool | Callable[[nn.Module], bool], *,
+                      cuda_graphs: bool = False) -> Callable[[], None]:
+    """Makes ``modules`` (``recompute=True``), or the outermost of their submodules for which ``recompute(module)``
+    is True (the stage modules themselves included), recompute their forward during the backward; returns the undo.
+
+    Only a checkpointed module's arguments (positional and keyword) and what it saves outside it are kept between
+    forward and backward, so it must take every tensor it reads, parameters and buffers aside, as an argument: the
+    pipeline frees a stage's sent outputs that nothing saved, and a tensor reached otherwise (an attribute set by
+    its parent) would be read freed by the recomputation. Dropout masks come out the same, since the recomputation
+    restores the random state of the forward.
+    """
+    if not isinstance(recompute, bool) and not callable(recompute):
+        raise ValueError(f"Pipeline: recompute must be True, False or a callable module -> bool, not {recompute!r}")
+    if recompute is False:
+        return lambda: None
+    if cuda_graphs:
+        # Each captured micro-batch slot keeps its graphs' private memory pool, which would hold the activations its
+        # backward graph recomputes: the memory recomputation saves stays reserved.
+        raise ValueError("Pipeline: recompute cannot be combined with cuda_graphs=True, whose graphs keep the memory "
+                         "that recomputation frees; use one or the other")
+    picked = list(modules) if recompute is True else _outermost(modules, recompute)
+    originals = []
+    for module in {id(module): module for module in picked}.values():
+        originals.append((module, module.__dict__.get("forward", _MISSING)))
+        module.forward = _checkpointed(module.forward)
+
+    def undo() -> None:
+        for module, forward in originals:
+            if forward is _MISSING:
+                del module.forward  # back to the class's forward
+            else:
+                module.forward = forward
+        originals.clear()
+
+    return undo
+
+
+def _outermost(modules: list[nn.Module], pick: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """The modules ``pick`` chooses, searched from each stage module down, not below a chosen one: a checkpoint
+    inside another would recompute twice."""
+    chosen, seen = [], set()
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        verdict = pick(module)
+        if not isinstance(verdict, bool):
+            raise ValueError(f"Pipeline: recompute({type(module).__name__}) returned {verdict!r}; the callable must "
+                             "return True or False")
+        if verdict:
+            chosen.append(module)
+        else:
+            for child in module.children():
+                visit(child)
+
+    for module in modules:
+        visit(module)
+    return chosen
+
+
+def _checkpointed(forward: Callable) -> Callable:
+    def run(*args, **kwargs):
+        # Every tensor goes in positionally, keyword ones included: checkpoint saves only its positional
+        # arguments through autograd, where the pipeline sees what stays alive for the backward.
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+
+        def replay(*leaves):
+            args, kwargs = pytree.tree_unflatten(list(leaves), spec)
+            return forward(*args, **kwargs)
+
+        return checkpoint(replay, *leaves, use_reentrant=False)
+
+    return run

@@ -1,0 +1,321 @@
+"""Recomputation: every schedule equals one process; sent outputs freed only where no recomputation reads them."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from models import HIDDEN, Block
+from ranks import held_stages, run_ranks
+
+import pipecomm
+from pipecomm import executor
+from pipecomm.executor import GradientSink
+from pipecomm.recompute import checkpoint_stages
+from pipecomm.schedule import SCHEDULES
+from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
+
+BATCH = 8
+SEQ = 3
+STEPS = 3
+MICRO_BATCHES = 4
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+# Every schedule on 2 ranks, with its stages per rank; "auto" runs one step more, its first on the plan.
+CASES = [(name, 2 if name in ("interleaved-1f1b", "zb-v") else 1, STEPS) for name in SCHEDULES] + [("auto", 1, 4)]
+
+
+class Gate(nn.Module):
+    """Multiplies by a tensor given by keyword, which the product saves for its other factor's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, *, skip):
+        return self.proj(x) * skip
+
+
+class Gated(nn.Module):
+    """A block with a frozen norm, then a gate whose keyword input is also sent on: a Linear's output that only
+    the gate saves."""
+
+    def __init__(self, last: bool):
+        super().__init__()
+        self.block = Block()
+        self.block.norm.requires_grad_(False)
+        self.side = nn.Linear(HIDDEN, HIDDEN)
+        self.gate = Gate()
+        self.last = last
+
+    def forward(self, x, skip=None):
+        h = self.block(x if skip is None else x + skip)
+        side = self.side(h)
+        out = self.gate(h, skip=side)
+        return out if self.last else (out, side)
+
+
+class NoParameters(nn.Module):
+    """Sends on a view of its received input beside the product."""
+
+    def __init__(self, last: bool):
+        super().__init__()
+        self.last = last
+
+    def forward(self, x, skip):
+        out = torch.tanh(x) * skip
+        return out if self.last else (out, skip.view_as(skip))
+
+
+def gated_stages(num_stages: int) -> list[nn.Module]:
+    return [Gated(last=s == num_stages - 1) for s in range(num_stages)]
+
+
+def mixed_stages(num_stages: int) -> list[nn.Module]:
+    """Stages with and without parameters, the third (of four) wholly frozen."""
+    stages = [Gated(last=False) if s % 2 == 0 else NoParameters(last=s == num_stages - 1) for s in range(num_stages)]
+    if num_stages == 4:
+        stages[2].requires_grad_(False)
+    return stages
+
+
+def blocks_and_gates(module: nn.Module) -> bool:
+    return isinstance(module, (Block, Gate))
+
+
+def mse(output, target):
+    return nn.functional.mse_loss(output, target)
+
+
+def batch(step: int):
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, SEQ, HIDDEN, generator=generator), torch.randn(BATCH, SEQ, HIDDEN, generator=generator)
+
+
+def run_stages(stages, x):
+    """The unsplit model in plain PyTorch: each stage's output feeds the next as the pipeline passes it."""
+    for stage in stages:
+        x = stage(*x) if isinstance(x, tuple) else stage(x)
+    return x
+
+
+def train_like_one_process(rank: int, world_size: int, recompute) -> str:
+    """For each model and schedule, AdamW steps of the recomputing pipeline against the unsplit model without
+    recomputation: every step's loss and gradients, and the parameters at the end."""
+    for build in (gated_stages, mixed_stages):
+        for schedule, chunks, steps in CASES:
+            num_stages = world_size * chunks
+            torch.manual_seed(0)
+            stages = build(num_stages)
+            reference = copy.deepcopy(stages)
+            mine = held_stages(schedule, world_size, MICRO_BATCHES, chunks, rank)
+            pipe = pipecomm.Pipeline([stages[s] for s in mine], stage=mine, num_stages=num_stages, loss_fn=mse,
+                                     micro_batches=MICRO_BATCHES, schedule=schedule, timeout=30, recompute=recompute)
+            where = f"{build.__name__}, {schedule}"
+            named = [(f"{where}, stage {s}: {name}", p) for s in mine for name, p in stages[s].named_parameters()]
+            ref_params = [p for s in mine for p in reference[s].parameters()]
+            # A rank holding only parameterless stages has nothing to step.
+            optimizer = torch.optim.AdamW([p for _, p in named], lr=1e-2) if named else None
+            ref_optimizer = torch.optim.AdamW([p for stage in reference for p in stage.parameters()], lr=1e-2)
+            for step in range(steps):
+                x, target = batch(step)
+                loss = pipe.step(x, target=target)
+                ref_loss = mse(run_stages(reference, x), target)
+                ref_loss.backward()
+                torch.testing.assert_close(loss, ref_loss.detach(), **TOLERANCE, msg=f"{where}: loss of step {step}")
+                for (name, param), ref_param in zip(named, ref_params):
+                    if ref_param.grad is None:
+                        assert param.grad is None, f"{name} got a gradient at step {step}"
+                    else:
+                        torch.testing.assert_close(param.grad, ref_param.grad, **TOLERANCE, msg=f"{name}, step {step}")
+                if optimizer:
+                    optimizer.step()
+                    optimizer.zero_grad()
+                ref_optimizer.step()
+                ref_optimizer.zero_grad()
+            for (name, param), ref_param in zip(named, ref_params):
+                torch.testing.assert_close(param.detach(), ref_param.detach(), **TOLERANCE, msg=name)
+            pipe.close()
+            assert not any("forward" in module.__dict__ for stage in stages for module in stage.modules()), where
+    return "ok"
+
+
+@pytest.mark.parametrize("recompute", [True, blocks_and_gates], ids=["whole-stages", "selective"])
+def test_recompute_with_every_schedule_equals_one_process(tmp_path, recompute):
+    run_ranks(2, train_like_one_process, tmp_path, recompute, timeout=240)
+
+
+# -- dropout ------------------------------------------------------------------------------------
+
+
+class DropoutBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.dropout(self.block(x))
+
+
+def dropout_blocks(module: nn.Module) -> bool:
+    return isinstance(module, DropoutBlock)
+
+
+def seed(step: int, stage: int) -> int:
+    return 1000 * step + stage
+
+
+def dropout_masks_survive_recomputation(rank: int, world_size: int, recompute) -> str:
+    """Stage s draws its masks from seed(step, s), on its rank as in the reference, which runs each stage over the
+    micro-batches in order; the recomputation must draw the forward's masks and leave the random state as it was."""
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        torch.manual_seed(0)
+        stages = [nn.Sequential(DropoutBlock(), nn.Linear(HIDDEN, HIDDEN)) for _ in range(world_size)]
+        reference = copy.deepcopy(stages)
+        pipe = pipecomm.Pipeline(stages[rank], stage=rank, num_stages=world_size, loss_fn=mse,
+                                 micro_batches=MICRO_BATCHES, schedule=schedule, timeout=30, recompute=recompute)
+        for step in range(STEPS):
+            x, target = batch(step)
+            torch.manual_seed(seed(step, rank))
+            loss = pipe.step(x, target=target)
+            outputs = list(x.chunk(MICRO_BATCHES))
+            for index, stage in enumerate(reference):
+                torch.manual_seed(seed(step, index))
+                outputs = [stage(output) for output in outputs]
+            ref_loss = sum(mse(o, t) for o, t in zip(outputs, target.chunk(MICRO_BATCHES))) / MICRO_BATCHES
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss.detach(), **TOLERANCE, msg=f"{schedule}: loss of step {step}")
+            for (name, param), ref_param in zip(stages[rank].named_parameters(), reference[rank].parameters()):
+                torch.testing.assert_close(param.grad, ref_param.grad, **TOLERANCE, msg=f"{schedule}, {name}, {step}")
+                param.grad = ref_param.grad = None
+        pipe.close()
+    return "ok"
+
+
+@pytest.mark.parametrize("recompute", [True, dropout_blocks], ids=["whole-stages", "selective"])
+def test_dropout_in_recomputed_stages_draws_the_forward_masks(tmp_path, recompute):
+    run_ranks(2, dropout_masks_survive_recomputation, tmp_path, recompute, timeout=120)
+
+
+# -- what stays alive between forward and backward -----------------------------------------------
+
+
+def stage_backward(x: torch.Tensor, outputs: list, grads: list, params: list) -> tuple:
+    """The executor's backward of a non-last stage: gradients of ``outputs`` w.r.t. ``x`` and ``params``."""
+    return executor._run_backward(outputs, grads, [x] + params, keep_graph=False)
+
+
+@pytest.mark.parametrize("recompute", [True, blocks_and_gates], ids=["whole-stage", "selective"])
+def test_sent_outputs_are_freed_only_where_no_recomputation_reads_them(recompute):
+    torch.manual_seed(0)
+    stage = Gated(last=False)
+    reference = copy.deepcopy(stage)
+    undo = checkpoint_stages([stage], recompute)
+    x = torch.randn(BATCH, HIDDEN, requires_grad=True)
+    saved = executor._SavedStorages()
+    with saved.observe():
+        outputs = list(stage(x))
+    pointers = [output.untyped_storage().data_ptr() for output in outputs]
+    executor._free_storage(outputs, saved)
+    freed = [output.untyped_storage().data_ptr() != pointer for output, pointer in zip(outputs, pointers)]
+    # Whole: the stage's outputs are recomputed. Selective: the gate's keyword input, also sent, is read by its
+    # recomputation, so it stays; the gate's own output is recomputed.
+    assert freed == ([True, True] if recompute is True else [True, False])
+    if recompute is True:
+        assert saved.pointers == {x.untyped_storage().data_ptr()}, "only the stage's input is kept for its backward"
+
+    grads = [torch.randn(BATCH, HIDDEN) for _ in outputs]
+    params = [p for p in stage.parameters() if p.requires_grad]
+    results = stage_backward(x, outputs, grads, params)
+    ref_x = x.detach().requires_grad_()
+    ref_params = [p for p in reference.parameters() if p.requires_grad]
+    expected = torch.autograd.grad(reference(ref_x), [ref_x] + ref_params, grads)
+    for result, value in zip(results, expected):
+        torch.testing.assert_close(result, value)
+    undo()
+
+
+@pytest.mark.parametrize("recompute", [True, blocks_and_gates], ids=["whole-stage", "selective"])
+def test_deferred_weight_gradients_take_their_inputs_from_the_recomputation(recompute):
+    torch.manual_seed(0)
+    stage = Gated(last=False)
+    reference = copy.deepcopy(stage)
+    store = WeightGradStore()
+    undo_recompute = checkpoint_stages([stage], recompute)
+    undo_deferral = defer_linear_weight_grads([stage], store)
+    linear_inputs = []
+    pin_check = stage.block.proj.register_forward_pre_hook(
+        lambda _, args: linear_inputs.append(weakref.ref(args[0])) if not linear_inputs else None)
+    x = torch.randn(BATCH, HIDDEN, requires_grad=True)
+    store.recording = deferred_weights = set()
+    outputs = list(stage(x))
+    store.recording = None
+    assert deferred_weights == {id(layer.weight) for layer in (stage.block.proj, stage.side, stage.gate.proj)}
+    assert linear_inputs[0]() is None, "a checkpointed Linear's input is not pinned until the backward"
+
+    grads = [torch.randn(BATCH, HIDDEN) for _ in outputs]
+    params = [p for p in stage.parameters() if p.requires_grad and id(p) not in deferred_weights]
+    store.collecting = collected = []
+    results = stage_backward(x, outputs, grads, params)
+    store.collecting = None
+    sink = GradientSink(list(stage.parameters()), main_grad=False)
+    sink.add(results[1:], params)
+    sink.add_weight_grads(collected)
+
+    ref_x = x.detach().requires_grad_()
+    torch.autograd.backward(reference(ref_x), grads)
+    torch.testing.assert_close(results[0], ref_x.grad)
+    for (name, param), ref_param in zip(stage.named_parameters(), reference.parameters()):
+        if ref_param.grad is None:
+            assert param.grad is None, name
+        else:
+            torch.testing.assert_close(param.grad, ref_param.grad, msg=name)
+    pin_check.remove()
+    undo_deferral()
+    undo_recompute()
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recompute", ["full", 1, None])
+def test_recompute_must_be_a_bool_or_a_callable(recompute):
+    with pytest.raises(ValueError, match="recompute must be True, False or a callable"):
+        checkpoint_stages([Block()], recompute)
+
+
+def test_the_callable_must_answer_with_a_bool():
+    with pytest.raises(ValueError, match=r"recompute\(Block\) returned None"):
+        checkpoint_stages([Block()], lambda module: None)
+
+
+@pytest.mark.parametrize("recompute", [True, blocks_and_gates], ids=["whole-stage", "selective"])
+def test_cuda_graphs_are_refused(recompute):
+    stage = Gated(last=True)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        checkpoint_stages([stage], recompute, cuda_graphs=True)
+    assert not any("forward" in module.__dict__ for module in stage.modules())
+    checkpoint_stages([stage], False, cuda_graphs=True)()
+
+
+def test_only_the_outermost_picked_modules_are_wrapped_and_undo_restores_every_forward():
+    shared = Gate()
+    outer = nn.ModuleDict({"gate": shared, "again": shared, "block": Block(), "linear": nn.Linear(HIDDEN, HIDDEN)})
+    own_forward = outer["linear"].forward
+
+    def forward(x):  # an instance attribute, as torch.compile and others set
+        return own_forward(x)
+
+    outer["linear"].forward = forward
+    before = {name: module.forward for name, module in outer.named_modules()}
+    undo = checkpoint_stages([outer], lambda module: isinstance(module, (Gate, Block, nn.Linear)))
+    wrapped = {name for name, module in outer.named_modules() if module.forward != before[name]}
+    assert wrapped == {"gate", "block", "linear"}, "picked modules, once each, none inside a picked one"
+    undo()
+    assert {name: module.forward for name, module in outer.named_modules()} == before
+    assert outer["linear"].forward is forward
+    assert not any("forward" in module.__dict__ for name, module in outer.named_modules() if name != "linear")
