@@ -15,8 +15,8 @@ slowest stage), the ideal 1F1B efficiency m / (m + p - 1), and each rank's peak 
 (torch.cuda.max_memory_allocated, reset before each schedule; model weights included; for CUDA-graph rows
 plus the free part of the graphs' private memory pools, which their replays reuse).
 
-Schedules: pipecomm gpipe, 1f1b, interleaved-1f1b (v=2), zb-h1, 1f1b and interleaved-1f1b with CUDA graphs
-(Pipeline(cuda_graphs=True), rows "+graphs"), and torch.distributed.pipelining's
+Schedules: pipecomm gpipe, 1f1b, interleaved-1f1b (v=2), zb-h1, and 1f1b, interleaved-1f1b and zb-h1 with CUDA
+graphs (Pipeline(cuda_graphs=True), rows "+graphs"), and torch.distributed.pipelining's
 ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2) and ScheduleInterleavedZeroBubble (v=2)
 through PipelineStage, all in the same run. A schedule that fails is reported as an error string.
 --smoke runs it on CPU (gloo, pipecomm's shared-memory channels, fp32, d=32, seq=16) to check the
@@ -57,7 +57,8 @@ VIRTUAL = 2  # chunks per rank for the interleaved schedules
 GRAPHS = "+graphs"  # suffix: the same schedule with Pipeline(cuda_graphs=True)
 TRANSPORT = "@"  # "1f1b@dist": the schedule with Pipeline(transport="dist") (--transport)
 TRANSPORTS = ("auto", "shm", "dist", "ipc")
-PIPECOMM_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "1f1b" + GRAPHS, "interleaved-1f1b" + GRAPHS]
+PIPECOMM_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "1f1b" + GRAPHS, "interleaved-1f1b" + GRAPHS,
+                      "zb-h1" + GRAPHS]
 # torch rows whose schedule pipecomm also generates, for the theoretical bubble (torch's zero-bubble
 # schedule is a different one).
 SAME_SCHEDULE = {"torch GPipe": "gpipe", "torch 1F1B": "1f1b", "torch Interleaved1F1B": "interleaved-1f1b"}

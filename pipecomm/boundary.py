@@ -11,11 +11,23 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
+from pipecomm.parallel import named_mesh
+
 __all__: list[str] = []
 
 
 class _Tensor:
     """Marks where a tensor leaf goes among a structure's leaves (a class, so that it survives pickling as itself)."""
+
+
+class _DTensorLeaf(NamedTuple):
+    """Marks where a DTensor goes: it crosses as its local shard and is rebuilt with these on the receiving rank's
+    mesh of the same dimension names (``pipecomm.init``'s)."""
+
+    mesh_dim_names: tuple[str, ...]
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
 
 
 class Layout(NamedTuple):
@@ -50,6 +62,29 @@ def flatten(structure: Any) -> Flat:
     return Flat(tensors, Layout(spec, marked))
 
 
+def stage_output(structure: Any) -> Flat:
+    """A stage's output taken apart for the next stage: as ``flatten``, with each DTensor (a tensor-parallel layer's
+    output kept as one) replaced by its local shard, differentiably, so that the shard is what is sent and what the
+    returning gradient is for."""
+    flat = flatten(structure)
+    if not any(isinstance(tensor, DTensor) for tensor in flat.tensors):
+        return flat
+    tensors, leaves, remaining = [], [], iter(flat.tensors)
+    for leaf in flat.layout.leaves:
+        if leaf is _Tensor:
+            tensor = next(remaining)
+            if isinstance(tensor, DTensor):
+                names = tensor.device_mesh.mesh_dim_names
+                if names is None:
+                    raise TypeError("a stage's output holds a DTensor on a mesh without dimension names: the next "
+                                    "stage rebuilds it on its own mesh of the same names (pipecomm.init's)")
+                leaf = _DTensorLeaf(tuple(names), tuple(tensor.placements), tensor.shape, tensor.stride())
+                tensor = tensor.to_local()
+            tensors.append(tensor)
+        leaves.append(leaf)
+    return Flat(tensors, Layout(flat.layout.spec, tuple(leaves)))
+
+
 def _is_size(value: Any) -> bool:
     # A leaf here: torch registers torch.Size as a pytree node that unflattens into a plain tuple.
     return isinstance(value, torch.Size)
@@ -57,7 +92,14 @@ def _is_size(value: Any) -> bool:
 
 def unflatten(tensors: Sequence[torch.Tensor], layout: Layout) -> Any:
     remaining = iter(tensors)
-    return pytree.tree_unflatten([next(remaining) if leaf is _Tensor else leaf for leaf in layout.leaves], layout.spec)
+    leaves = [next(remaining) if leaf is _Tensor else _rebuild(next(remaining), leaf) if isinstance(leaf, _DTensorLeaf)
+              else leaf for leaf in layout.leaves]
+    return pytree.tree_unflatten(leaves, layout.spec)
+
+
+def _rebuild(local: torch.Tensor, leaf: _DTensorLeaf) -> DTensor:
+    return DTensor.from_local(local, named_mesh(leaf.mesh_dim_names), leaf.placements, run_check=False,
+                              shape=leaf.shape, stride=leaf.stride)
 
 
 def as_arguments(structure: Any) -> tuple:
@@ -123,9 +165,8 @@ class StructureChannel:
     def send(self, flat: Flat, micro_batches: int, batch_size: int | None = None) -> None:
         """``batch_size`` (the whole batch's, as the first stage got it) lets the last stage check its targets."""
         if any(isinstance(tensor, DTensor) for tensor in flat.tensors):
-            raise TypeError("a stage's output holds a DTensor: a tensor-parallel stage must hand the next stage plain "
-                            "local tensors (use_local_output=True, the default of ColwiseParallel, RowwiseParallel and "
-                            "PrepareModuleOutput), which the same tensor-parallel rank of the next stage receives")
+            raise TypeError("a stage's output holds a DTensor that was not taken apart by boundary.stage_output "
+                            "(a CUDA-graphed stage's: keep use_local_output=True there)")
         header = _Header(flat.layout, tuple(tensor.requires_grad for tensor in flat.tensors), micro_batches, batch_size)
         encoded = None
         if not _same_header(header, self._sent):

@@ -8,14 +8,18 @@ micro-batch it can hold in flight (the schedule says how many), used round-robin
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipecomm import boundary
 from pipecomm.schedule import Schedule
+from pipecomm.split_backward import weight_grad
 
 __all__: list[str] = []
 
@@ -23,46 +27,50 @@ _WARMUP_ITERATIONS = 2  # eager runs on a side stream before capture, so lazy in
 
 
 def in_flight_slots(schedule: Schedule, rank: int, stage: int) -> int:
-    """How many micro-batches ``stage`` holds between forward and backward at most; checks backwards run in forward order."""
-    pending: list[int] = []
-    most = 0
+    """How many micro-batches ``stage`` holds between its forward and its last backward pass (B, or W where the
+    backward is split) at most; checks that each kind of pass runs the micro-batches in forward order."""
+    order = [action.micro_batch for action in schedule.actions[rank] if action.stage == stage and action.kind == "F"]
+    for kind in ("B", "I", "W"):
+        runs = [action.micro_batch for action in schedule.actions[rank] if action.stage == stage and action.kind == kind]
+        if runs and runs != order:
+            raise ValueError(f"cuda_graphs: schedule {schedule.name!r} runs stage {stage}'s {kind} passes out of "
+                             "forward order, which round-robin graph slots cannot follow")
+    held = most = 0
     for action in schedule.actions[rank]:
-        if action.stage != stage:
-            continue
-        if action.kind == "F":
-            pending.append(action.micro_batch)
-            most = max(most, len(pending))
-        elif action.kind == "B":
-            if pending[0] != action.micro_batch:
-                raise ValueError(f"cuda_graphs: schedule {schedule.name!r} runs stage {stage}'s backwards out of "
-                                 "forward order, which round-robin graph slots cannot follow")
-            pending.pop(0)
-        elif action.kind in ("I", "W"):
-            raise ValueError(f"cuda_graphs: schedule {schedule.name!r} splits the backward into I and W, which is "
-                             "not captured; use gpipe, 1f1b or interleaved-1f1b")
+        if action.stage == stage and action.kind in ("F", "B", "W"):
+            held += 1 if action.kind == "F" else -1
+            most = max(most, held)
     return most
 
 
 class _Slot:
-    """One captured forward/backward pair and the static tensors they read and write."""
+    """One captured forward and its backward (one graph, or I and W) and the static tensors they read and write."""
 
     def __init__(self, inputs: boundary.Flat, targets: boundary.Flat, outputs: list, grad_outputs: list,
-                 forward: torch.cuda.CUDAGraph, backward: torch.cuda.CUDAGraph, input_grads: list, param_grads: list):
+                 forward: torch.cuda.CUDAGraph, backward: torch.cuda.CUDAGraph, input_grads: list, param_grads: list,
+                 weights: torch.cuda.CUDAGraph | None = None, weight_grads: list | None = None):
         self.inputs, self.targets, self.outputs = inputs, targets, outputs
         self.grad_outputs, self.forward, self.backward = grad_outputs, forward, backward
         self.input_grads, self.param_grads = input_grads, param_grads
+        self.weights, self.weight_grads = weights, weight_grads
 
 
 class GraphedStage:
-    """A stage module whose forward and backward replay CUDA graphs captured at the first forward."""
+    """A stage module whose forward and backward replay CUDA graphs captured at the first forward.
+
+    With ``split_backward`` (zero-bubble schedules) the backward is captured as two graphs, as the eager
+    executor splits it: I (input gradients and every parameter's gradient but the deferred Linear weights')
+    and W (those weights' gradients, from the layer's input and output gradient that I left in the slot).
+    """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], slots: int, stage: int,
-                 loss: Callable | None):
+                 loss: Callable | None, split_backward: bool = False):
         self.module = module
         self.params = params
         self.stage = stage
         self.num_slots = slots
         self.loss = loss  # (output, *targets) -> scaled loss, on the last stage
+        self.split_backward = split_backward
         self.output_layout: boundary.Layout | None = None  # the output structure without its tensors, from the capture
         self._trainable: tuple[bool, ...] = ()  # each parameter's requires_grad at the capture
         self._slots: list[_Slot] = []
@@ -97,16 +105,36 @@ class GraphedStage:
         slot.backward.replay()
         return slot.input_grads, slot.param_grads
 
+    def backward_weights(self, micro_batch: int) -> list:
+        """Replays the slot's W (after its I): the deferred weights' gradients, one entry per stage parameter."""
+        slot = self._slots[micro_batch % self.num_slots]
+        slot.weights.replay()
+        return slot.weight_grads
+
     # -- capture -------------------------------------------------------------------------------
 
-    def _run(self, inputs: boundary.Flat, targets: boundary.Flat) -> list[torch.Tensor]:
-        args, kwargs = boundary.unflatten(inputs.tensors, inputs.layout)
-        output = self.module(*args, **kwargs)
+    def _run(self, inputs: boundary.Flat, targets: boundary.Flat, linears: list | None = None) -> list[torch.Tensor]:
+        """The stage (and loss) on ``inputs``; with ``linears``, also records each deferrable Linear's weight, input
+        and output as it runs."""
+        hooks = [layer.register_forward_hook(functools.partial(_record, linears))
+                 for layer in self._deferrable()] if linears is not None else []
+        try:
+            args, kwargs = boundary.unflatten(inputs.tensors, inputs.layout)
+            output = self.module(*args, **kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
         if self.loss is not None:
             output = self.loss(output, *boundary.unflatten(targets.tensors, targets.layout))
         flat = boundary.flatten(output)
         self.output_layout = flat.layout
         return flat.tensors
+
+    def _deferrable(self) -> list[nn.Linear]:
+        """The layers whose weight gradients W computes: plain Linears whose weight nothing else in the stage uses."""
+        uses = collections.Counter(id(p) for _, p in self.module.named_parameters(remove_duplicate=False))
+        return [layer for layer in self.module.modules()
+                if type(layer) is nn.Linear and uses[id(layer.weight)] == 1 and not isinstance(layer.weight, DTensor)]
 
     def _capture(self, inputs: boundary.Flat, targets: boundary.Flat) -> None:
         device = inputs.tensors[0].device
@@ -116,41 +144,71 @@ class GraphedStage:
             else contextlib.nullcontext()
         )
         self._trainable = tuple(p.requires_grad for p in self.params)
-        wanted_params = [p for p in self.params if p.requires_grad]
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), autocast:
             static_inputs, static_targets = _static_copy(inputs, self.stage > 0), _static_copy(targets, False)
             for _ in range(_WARMUP_ITERATIONS):
-                outputs = self._run(static_inputs, static_targets)
-                self._grad(outputs, [torch.ones_like(t) for t in outputs if t.requires_grad], static_inputs.tensors,
-                           wanted_params)
+                linears = [] if self.split_backward else None
+                outputs = self._run(static_inputs, static_targets, linears)
+                grad_outputs = [torch.ones_like(t) for t in outputs if t.requires_grad]
+                self._warm_up_backward(outputs, grad_outputs, static_inputs.tensors, linears)
         torch.cuda.current_stream(device).wait_stream(side)
         for _ in range(self.num_slots):
             static_inputs, static_targets = _static_copy(inputs, self.stage > 0), _static_copy(targets, False)
             pool = torch.cuda.graph_pool_handle()
             forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            weights = torch.cuda.CUDAGraph() if self.split_backward else None
+            linears = [] if self.split_backward else None
             with autocast:
                 with torch.cuda.graph(forward, pool=pool, capture_error_mode="thread_local"):
-                    outputs = self._run(static_inputs, static_targets)
+                    outputs = self._run(static_inputs, static_targets, linears)
                 grad_outputs = [torch.ones_like(t) for t in outputs if t.requires_grad]
                 with torch.cuda.graph(backward, pool=pool, capture_error_mode="thread_local"):
-                    grads = self._grad(outputs, grad_outputs, static_inputs.tensors, wanted_params)
+                    grads, output_grads = self._input_pass(outputs, grad_outputs, static_inputs.tensors, linears)
+                weight_grads = None
+                if weights is not None:
+                    with torch.cuda.graph(weights, pool=pool, capture_error_mode="thread_local"):
+                        weight_grads = self._weight_pass(linears, output_grads)
             self._slots.append(_Slot(static_inputs, static_targets, outputs, grad_outputs, forward, backward,
-                                     *self._align(grads, static_inputs.tensors)))
+                                     *self._align(grads, static_inputs.tensors, linears), weights, weight_grads))
 
-    def _grad(self, outputs: list, grad_outputs: list, inputs: list, params: list) -> tuple:
+    def _warm_up_backward(self, outputs: list, grad_outputs: list, inputs: list, linears: list | None) -> None:
+        """What the backward graphs will run, run eagerly."""
+        _, output_grads = self._input_pass(outputs, grad_outputs, inputs, linears)
+        if linears is not None:
+            self._weight_pass(linears, output_grads)
+
+    def _input_pass(self, outputs: list, grad_outputs: list, inputs: list, linears: list | None) -> tuple:
+        """The backward (or, with ``linears``, its I part): gradients of the inputs that require grad and of the
+        trainable parameters (but the deferred weights), and the deferred layers' output gradients."""
+        deferred = {id(weight) for weight, _, _ in linears or ()}
+        wanted = [t for t in inputs if t.requires_grad] + [p for p in self.params
+                                                           if p.requires_grad and id(p) not in deferred]
+        layer_outputs = [output for _, _, output in linears or ()]
         differentiable = [t for t in outputs if t.requires_grad]
-        wanted = [t for t in inputs if t.requires_grad] + params
-        if not differentiable or not wanted:
-            return (None,) * len(wanted)
-        return torch.autograd.grad(differentiable, wanted, grad_outputs, allow_unused=True)
+        if not differentiable or not wanted + layer_outputs:
+            return (None,) * len(wanted), [None] * len(layer_outputs)
+        grads = torch.autograd.grad(differentiable, wanted + layer_outputs, grad_outputs, allow_unused=True)
+        return grads[: len(wanted)], list(grads[len(wanted) :])
 
-    def _align(self, grads: tuple, inputs: list) -> tuple[list, list]:
-        """``_grad``'s results as one entry per input tensor and one per stage parameter (None: no gradient)."""
+    def _weight_pass(self, linears: list, output_grads: list) -> list:
+        """The deferred weights' gradients, one entry per stage parameter; a layer run twice adds both."""
+        by_weight: dict[int, torch.Tensor] = {}
+        for (weight, x, _), grad in zip(linears, output_grads):
+            if grad is not None:
+                part = weight_grad(grad, x).to(weight.dtype)
+                by_weight[id(weight)] = by_weight[id(weight)] + part if id(weight) in by_weight else part
+        return [by_weight.get(id(p)) for p in self.params]
+
+    def _align(self, grads: tuple, inputs: list, linears: list | None) -> tuple[list, list]:
+        """The I pass's results as one entry per input tensor and one per stage parameter (None: no gradient, or
+        left to W)."""
+        deferred = {id(weight) for weight, _, _ in linears or ()}
         produced = iter(grads)
         input_grads = [next(produced) if t.requires_grad else None for t in inputs]
-        return input_grads, [next(produced) if p.requires_grad else None for p in self.params]
+        return input_grads, [next(produced) if p.requires_grad and id(p) not in deferred else None
+                             for p in self.params]
 
     def _copy_in(self, static: boundary.Flat, values: boundary.Flat, what: str, micro_batch: int) -> None:
         mismatch = boundary.layout_mismatch(values.layout, static.layout)
@@ -165,6 +223,11 @@ class GraphedStage:
                     f"{(tuple(target.shape), target.dtype)}; CUDA graphs need static shapes"
                 )
             target.detach().copy_(value)  # the static input is an autograd leaf
+
+
+def _record(linears: list, layer: nn.Linear, args: tuple, output: torch.Tensor) -> None:
+    if layer.weight.requires_grad and output.requires_grad:
+        linears.append((layer.weight, args[0], output))
 
 
 def _static_copy(values: boundary.Flat, differentiable: bool) -> boundary.Flat:

@@ -205,7 +205,8 @@ class StageExecutor:
         # Built (and the schedule checked) here, before any communication; captured at the first forward.
         self.graphed = {
             stage: GraphedStage(module, sinks[stage].params, in_flight_slots(schedule, rank, stage), stage,
-                                self._scaled_loss if stage == self.last_stage else None)
+                                self._scaled_loss if stage == self.last_stage else None,
+                                split_backward=any(a.kind == "I" and a.stage == stage for a in schedule.actions[rank]))
             for stage, module in modules.items()
         } if cuda_graphs else {}
         self.timeline: list[tuple[float, float, Action]] = []
@@ -304,7 +305,7 @@ class StageExecutor:
             self._grads_out[key] = (torch.ones_like(loss),)
             self._add_loss(loss.detach())
         else:
-            self._outputs[key] = boundary.flatten(output)
+            self._outputs[key] = boundary.stage_output(output)
             self._saved[key] = saved
 
     def _check_batch(self, received: boundary.Received, last: bool) -> None:
@@ -342,6 +343,9 @@ class StageExecutor:
 
     def _backward_input(self, stage: int, micro_batch: int) -> None:
         """Input grads and the cheap parameter grads now (the critical path); Linear weight grads wait for W."""
+        if stage in self.graphed:
+            self._replay_backward(stage, micro_batch)
+            return
         key = (stage, micro_batch)
         deferred_weights = self._deferred_weights.pop(key)
         # Not asking for the deferred weights is what makes autograd skip their GEMMs.
@@ -355,7 +359,10 @@ class StageExecutor:
         self._deferred[key] = deferred
 
     def _backward_weight(self, stage: int, micro_batch: int) -> None:
-        self.sinks[stage].add_weight_grads(self._deferred.pop((stage, micro_batch)))
+        if stage in self.graphed:
+            self.sinks[stage].add(self.graphed[stage].backward_weights(micro_batch))
+        else:
+            self.sinks[stage].add_weight_grads(self._deferred.pop((stage, micro_batch)))
         self._count_backward(stage)
 
     def _run_stage_backward(self, stage: int, micro_batch: int, params: list[nn.Parameter] | None = None) -> None:

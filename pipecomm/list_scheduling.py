@@ -13,16 +13,15 @@ PASS_KINDS = ("F", "I", "W")  # and their codes in array-encoded orders: 0, 1, 2
 
 
 def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[str, float],
-                 memory_cap: float, *, deepest_forward_first: bool = True,
-                 weights_before_forwards: bool = False, deepest_gradient_first: bool = False,
+                 memory_cap: float, *, weights_before_forwards: bool = False, deepest_gradient_first: bool = False,
                  first_stage_lead: Sequence[int] | None = None) -> list[list[Pass]]:
     """Each rank's order of F, I and W passes, as the zero-bubble paper's greedy scheduler builds them.
 
     ``placement[s]`` is the rank of stage s. Time runs on the costs (``F``, ``I``, ``W``: one pass
     of one stage, transfers free). Whenever a rank is free it runs, in this priority: the I of the
     oldest micro-batch whose output gradient has arrived (the critical path), then the F of the
-    oldest ready input (of the deepest stage first, or with ``deepest_forward_first=False`` the
-    shallowest) if the activation fits under ``memory_cap``, then the oldest pending W; otherwise it
+    oldest ready input (on a rank of several stages, the deepest's: a shallower one is always further
+    ahead) if the activation fits under ``memory_cap``, then the oldest pending W; otherwise it
     waits for the next pass to end anywhere. ``weights_before_forwards`` runs pending Ws before Fs,
     which frees memory sooner; ``deepest_gradient_first`` picks the ready I of the deepest stage before
     the oldest micro-batch. ``first_stage_lead[r]`` bounds how many micro-batches rank r's first
@@ -34,14 +33,13 @@ def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[st
 
     build = compiled(_build_arrays)
     if build is _build_arrays:  # without numba the dictionaries' version is the faster
-        return _build_orders_python(placement, micro_batches, costs, memory_cap, deepest_forward_first,
-                                    weights_before_forwards, deepest_gradient_first, first_stage_lead)
+        return _build_orders_python(placement, micro_batches, costs, memory_cap, weights_before_forwards,
+                                    deepest_gradient_first, first_stage_lead)
     num_ranks = max(placement) + 1
     leads = np.zeros(num_ranks, dtype=np.int64) if first_stage_lead is None else np.array(first_stage_lead, np.int64)
     order, lengths, stuck = build(np.array(placement, dtype=np.int64), micro_batches,
                                   np.array([costs[kind] for kind in PASS_KINDS], dtype=np.float64), float(memory_cap),
-                                  deepest_forward_first, weights_before_forwards, deepest_gradient_first,
-                                  first_stage_lead is not None, leads)
+                                  weights_before_forwards, deepest_gradient_first, first_stage_lead is not None, leads)
     if stuck.any():
         raise _stuck(memory_cap, [rank for rank in range(num_ranks) if stuck[rank]])
     return [[(PASS_KINDS[kind], stage, micro_batch) for kind, stage, micro_batch in rows[:length]]
@@ -54,7 +52,7 @@ def _stuck(memory_cap: float, ranks: list[int]) -> ValueError:
 
 
 def _build_orders_python(placement: Sequence[int], micro_batches: int, costs: Mapping[str, float], memory_cap: float,
-                         deepest_forward_first: bool, weights_before_forwards: bool, deepest_gradient_first: bool,
+                         weights_before_forwards: bool, deepest_gradient_first: bool,
                          first_stage_lead: Sequence[int] | None) -> list[list[Pass]]:
     """``build_orders`` on dictionaries and lists: the reference that ``_build_arrays`` follows step by step."""
     num_stages = len(placement)
@@ -118,14 +116,13 @@ def _build_orders_python(placement: Sequence[int], micro_batches: int, costs: Ma
         if weights_before_forwards and pending_weights[rank]:
             place(rank, now, "W", *pending_weights[rank][0])
             continue
-        direction = -1 if deepest_forward_first else 1
-        ready_inputs = [(next_forward[stage], direction * stage) for stage in held[rank]
+        ready_inputs = [(next_forward[stage], stage) for stage in held[rank]
                         if next_forward[stage] < micro_batches and not leads_too_far(rank, stage)
                         and input_at.get((stage, next_forward[stage]), float("inf")) <= now
                         and memory[rank] + share[stage] <= memory_cap + 1e-9]
         if ready_inputs:
-            micro_batch, signed_stage = min(ready_inputs)
-            place(rank, now, "F", direction * signed_stage, micro_batch)
+            micro_batch, stage = min(ready_inputs)
+            place(rank, now, "F", stage, micro_batch)
             continue
         if pending_weights[rank]:
             place(rank, now, "W", *pending_weights[rank][0])
@@ -139,8 +136,8 @@ def _build_orders_python(placement: Sequence[int], micro_batches: int, costs: Ma
     return orders
 
 
-def _build_arrays(placement, micro_batches, costs, memory_cap, deepest_forward_first, weights_before_forwards,
-                  deepest_gradient_first, bounded_lead, leads):
+def _build_arrays(placement, micro_batches, costs, memory_cap, weights_before_forwards, deepest_gradient_first,
+                  bounded_lead, leads):
     """``_build_orders_python`` over arrays, for numba: the same choices in the same order, ties broken alike.
 
     ``costs`` is indexed by kind code, ``leads`` holds ``first_stage_lead`` if ``bounded_lead``. Returns each rank's
@@ -238,7 +235,6 @@ def _build_arrays(placement, micro_batches, costs, memory_cap, deepest_forward_f
         if weights_before_forwards and has_weight:
             place(rank, now, 2, pending[rank, pending_head[rank], 0], pending[rank, pending_head[rank], 1])
             continue
-        direction = -1 if deepest_forward_first else 1
         first = held[rank, 0]
         last = held[rank, count - 1]
         forward_stage = -1
@@ -252,8 +248,7 @@ def _build_arrays(placement, micro_batches, costs, memory_cap, deepest_forward_f
                 continue
             if memory[rank] + share[stage] > memory_cap + 1e-9:
                 continue
-            if forward_stage < 0 or micro_batch < next_forward[forward_stage] or (
-                    micro_batch == next_forward[forward_stage] and direction * stage < direction * forward_stage):
+            if forward_stage < 0 or micro_batch < next_forward[forward_stage]:
                 forward_stage = stage
         if forward_stage >= 0:
             place(rank, now, 0, forward_stage, next_forward[forward_stage])

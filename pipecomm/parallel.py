@@ -67,6 +67,8 @@ def init(pipeline_size: int | None = None, data_size: int = 1, tensor_size: int 
             timeout=datetime.timedelta(seconds=timeout),
         )
     mesh = init_device_mesh(device.type, (data_size, pipeline_size, tensor_size), mesh_dim_names=("dp", "pp", "tp"))
+    global _mesh
+    _mesh = mesh
     return ParallelContext(
         rank=rank,
         world_size=world_size,
@@ -82,6 +84,18 @@ def init(pipeline_size: int | None = None, data_size: int = 1, tensor_size: int 
         device=device,
         mesh=mesh,
     )
+
+
+def named_mesh(names: tuple[str, ...]) -> DeviceMesh:
+    """This rank's submesh of ``pipecomm.init``'s mesh with these dimension names (e.g. ("tp",))."""
+    if _mesh is None:
+        raise ValueError(f"a DTensor on a mesh of dimensions {names} crossed a stage boundary; the receiving rank "
+                         "rebuilds it on pipecomm.init's mesh, and this process has none: call pipecomm.init")
+    missing = set(names) - set(_mesh.mesh_dim_names)
+    if missing:
+        raise ValueError(f"a DTensor on a mesh of dimensions {names} crossed a stage boundary, but pipecomm.init's mesh "
+                         f"has only {_mesh.mesh_dim_names}")
+    return _mesh[names[0]] if len(names) == 1 else _mesh[names]
 
 
 def _check_sizes(world_size: int, pipeline_size: int | None, data_size: int, tensor_size: int) -> int:
@@ -104,3 +118,6 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+_mesh: DeviceMesh | None = None  # the last pipecomm.init's, where DTensors crossing a stage boundary are rebuilt

@@ -66,10 +66,12 @@ class Pipeline:
     gathered through a step and have their gradients reduce-scattered once, after the stage's last
     backward, and resharded; ``data_group``'s all-reduce then covers only the other parameters. Tensor-
     parallel layers (``parallelize_module``) work as they are, each tp rank of a stage talking to the same
-    tp rank of the next; what crosses a stage boundary must be plain local tensors.
+    tp rank of the next; a DTensor output crosses as its local shard and is rebuilt with its placements on
+    the receiving rank's mesh of the same dimension names (``pipecomm.init``'s).
     ``cuda_graphs=True`` captures each stage's forward and backward as CUDA graphs at the first
     step and replays them, for small models bound by kernel launches; shapes must then stay fixed
-    (gpipe, 1f1b and interleaved-1f1b). ``device_timing=True`` times compute actions with CUDA
+    (every schedule whose passes of a stage run in forward order, the zero-bubble ones with their I and W as
+    separate graphs; not "auto"). ``device_timing=True`` times compute actions with CUDA
     events, so that ``bubble_fraction()`` reports the GPU's bubble.
     ``recompute=True`` recomputes each stage's forward during its backward (activation checkpointing),
     keeping only the stage's inputs between the two; a callable ``module -> bool`` checkpoints only the
@@ -126,8 +128,9 @@ class Pipeline:
             _check_configuration(modules, stages, num_stages, self.num_ranks, schedule)
             self._costs = CostMeter() if schedule == "auto" else None  # until "auto" has planned
             if self._costs is not None and cuda_graphs:
-                raise ValueError('Pipeline: schedule="auto" splits backwards into I and W, which cuda_graphs=True '
-                                 "cannot capture")
+                raise ValueError('Pipeline: schedule="auto" changes the schedule after its measured steps, and with '
+                                 "it how many micro-batches each stage holds, which cuda_graphs=True fixes at the first "
+                                 "step; plan first (pipecomm.plan_schedule) and pass the Schedule")
             if isinstance(schedule, Schedule):
                 self.schedule: Schedule = schedule
             elif self._costs is not None:
@@ -267,7 +270,7 @@ class Pipeline:
                 else:
                     with naming_transfer(self.rank, stage, micro_batch, "send", "activation", stage + 1):
                         channel = self._channels[(self.schedule.stage_rank(stage + 1), "act")]
-                        channel.send(boundary.flatten(output), micro_batches)
+                        channel.send(boundary.stage_output(output), micro_batches)
             micro_batch += 1
         self._sharded.reshard()
         result = microbatch.join(outputs) if outputs else None

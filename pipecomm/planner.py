@@ -30,7 +30,7 @@ def plan_schedule(num_ranks: int, micro_batches: int, costs: Mapping[str, float]
     rank's share of the model, as ``simulate`` takes them. ``memory_limit`` is the fullest rank's
     peak activation memory in units of 1f1b's (which holds num_ranks micro-batches of a stage).
     Candidates: every named schedule that fits, and list-scheduled orders (one stage per rank and the
-    V placement; deepest or shallowest ready forward first; weights as fillers or before forwards;
+    V placement; weights as fillers or before forwards;
     the oldest micro-batch's or the deepest stage's gradient first; memory caps from the limit down to
     1f1b's), each simulated on ``costs``. The fastest is then improved by a local search that moves
     single passes within each rank's order (B split into I then W) while the memory fits (skipped
@@ -78,10 +78,8 @@ def _candidates(num_ranks: int, micro_batches: int, costs: Mapping[str, float], 
     families = {"zb-h2": (looped_placement(num_ranks, num_ranks), 1), "zb-v": (v_placement(num_ranks), 2)}
     families = {family: built for family, built in families.items() if placement in (None, built[0])}
     caps = sorted({memory_limit * num_ranks, float(num_ranks)}, reverse=True)
-    variants = [dict(deepest_forward_first=deepest, weights_before_forwards=weights_first,
-                     deepest_gradient_first=deepest_gradient)
-                for deepest, weights_first, deepest_gradient in itertools.product((True, False), (False, True),
-                                                                                  (False, True))]
+    variants = [dict(weights_before_forwards=weights_first, deepest_gradient_first=deepest_gradient)
+                for weights_first, deepest_gradient in itertools.product((False, True), (False, True))]
     for (family, (layout, chunks)), cap, variant in itertools.product(families.items(), caps, variants):
         yield from _built(family, layout, chunks, micro_batches, costs, cap, **variant)
     if "zb-v" not in families:

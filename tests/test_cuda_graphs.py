@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -34,9 +35,27 @@ def test_interleaved_slots_cover_every_chunk():
             assert 1 <= in_flight_slots(schedule, rank, stage) <= 4
 
 
-def test_a_split_backward_is_refused():
-    with pytest.raises(ValueError, match="splits the backward into I and W"):
-        in_flight_slots(make_schedule("zb-h1", 2, 4), 0, 0)
+@pytest.mark.parametrize(("name", "virtual"), [("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2)])
+def test_split_backwards_hold_a_slot_from_forward_to_weight_pass(name, virtual):
+    schedule = make_schedule(name, 2, 4, virtual)
+    for rank in range(2):
+        for stage in schedule.stages_of(rank):
+            held = most = 0
+            for action in schedule.actions[rank]:
+                if action.stage == stage and action.kind in "FW":
+                    held += 1 if action.kind == "F" else -1
+                    most = max(most, held)
+            assert in_flight_slots(schedule, rank, stage) == most >= 1
+
+
+def test_passes_out_of_forward_order_are_refused():
+    schedule = make_schedule("zb-h1", 2, 4)
+    actions = list(schedule.actions[0])
+    weights = [index for index, action in enumerate(actions) if action.kind == "W"]
+    actions[weights[0]], actions[weights[1]] = actions[weights[1]], actions[weights[0]]
+    swapped = dataclasses.replace(schedule, actions=(tuple(actions), *schedule.actions[1:]))
+    with pytest.raises(ValueError, match="W passes out of forward order"):
+        in_flight_slots(swapped, 0, 0)
 
 
 @needs_cuda
@@ -70,3 +89,45 @@ def test_replayed_stage_equals_eager_with_two_micro_batches_in_flight():
 
     with pytest.raises(ValueError, match="captured for"):
         graphed.forward(0, (torch.randn(5, 16, device="cuda"),), ())
+
+
+@needs_cuda
+def test_split_backward_replays_equal_eager_input_and_weight_gradients():
+    """I then W replays, two micro-batches in flight, against autograd: the weight of a Linear run twice adds both
+    uses, a frozen Linear gets none, and a bias (not deferred) comes from I."""
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(16, 16)
+            self.frozen = nn.Linear(16, 16).requires_grad_(False)
+            self.out = nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.inner(self.frozen(self.inner(x)))))
+
+    torch.manual_seed(0)
+    module = Twice().cuda()
+    reference = copy.deepcopy(module)
+    params = list(module.parameters())
+    graphed = GraphedStage(module, params, slots=2, stage=1, loss=None, split_backward=True)
+    xs = [torch.randn(4, 16, device="cuda", requires_grad=True) for _ in range(2)]
+    grads = [torch.randn(4, 8, device="cuda") for _ in range(2)]
+    for micro_batch in (0, 1):
+        graphed.forward(micro_batch, (xs[micro_batch],), ())
+    for micro_batch in (0, 1):
+        input_grads, from_input_pass = graphed.backward(micro_batch, (grads[micro_batch],))
+        input_grad, from_input_pass = input_grads[0].clone(), [g if g is None else g.clone() for g in from_input_pass]
+        from_weight_pass = graphed.backward_weights(micro_batch)
+        leaf = xs[micro_batch].detach().clone().requires_grad_()
+        trainable = [p for p in reference.parameters() if p.requires_grad]
+        expected = torch.autograd.grad(reference(leaf), [leaf, *trainable], grads[micro_batch])
+        torch.testing.assert_close(input_grad, expected[0])
+        expected_params = iter(expected[1:])
+        for param, early, late in zip(params, from_input_pass, from_weight_pass):
+            if not param.requires_grad:
+                assert early is None and late is None
+                continue
+            deferred = param.dim() == 2  # the Linear weights; biases come with the input gradients
+            assert (early is None) == deferred and (late is None) != deferred
+            torch.testing.assert_close(late if deferred else early, next(expected_params))

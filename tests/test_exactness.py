@@ -573,7 +573,6 @@ def test_stages_of_one_process_hand_over_through_the_loopback_alike(scenario):
 @pytest.mark.parametrize("kind", ["cuda", "cuda-graphs"])
 @pytest.mark.parametrize("scenario", ["lora", "side inputs", "structures"])
 def test_on_gpus_eager_and_replaying_cuda_graphs(tmp_path, scenario, kind):
-    """The same over CUDA IPC, eager (every schedule) and replaying CUDA graphs (the schedules they support)."""
-    schedules = SCHEDULES if kind == "cuda" else (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
-    run_ranks(2, train_like_one_process, tmp_path, *SCENARIOS[scenario], schedules, None, STEPS, 4, False, kind,
+    """The same over CUDA IPC, eager and replaying CUDA graphs, with every schedule."""
+    run_ranks(2, train_like_one_process, tmp_path, *SCENARIOS[scenario], SCHEDULES, None, STEPS, 4, False, kind,
               timeout=300)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,6 +103,10 @@ def train_and_compare(rank: int, world_size: int, pipeline_size: int, data_size:
     for step in range(STEPS):
         inputs, target = batch(step, local * data_size)  # the global batch; each replica trains on its share
         share = slice(local * ctx.dp_rank, local * (ctx.dp_rank + 1))
+        if step == 1:  # inference between steps: FSDP must reshard after it, or the next step reads stale weights
+            with torch.no_grad():
+                torch.testing.assert_close(pipe.forward(inputs[share], broadcast_result=True),
+                                           reference(inputs[share]), rtol=1e-4, atol=1e-5)
         loss = pipe.step(inputs[share], target=target[share])
         ref_loss = F.mse_loss(reference(inputs), target)
         ref_loss.backward()
@@ -147,19 +153,48 @@ def test_data_pipeline_and_tensor_parallel_together_train_like_one_process(tmp_p
     assert len(set(results)) == 8
 
 
-def dtensor_output(rank: int, world_size: int) -> str:
-    ctx = pipecomm.init(pipeline_size=2)
-    layer = nn.Linear(WIDTH, WIDTH)
+class Gathered(nn.Module):
+    """Reads its input as the whole DTensor it is (a plain shard has no full_tensor)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x.full_tensor())
+
+
+def dtensor_across(rank: int, world_size: int, schedule: str) -> str:
+    """Stage 0's column-parallel layer hands stage 1 a DTensor (sharded features): it crosses as local shards, each
+    tp rank to its peer, and is rebuilt with its placements, which stage 1 gathers."""
+    ctx = pipecomm.init(pipeline_size=2, tensor_size=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH))
+    reference = copy.deepcopy(model)
+    layer = model[ctx.stage]
     if ctx.stage == 0:
         parallelize_module(layer, ctx.mesh["tp"], ColwiseParallel(use_local_output=False))
-    pipe = pipecomm.Pipeline(layer, stage=ctx.stage, num_stages=2, loss_fn=F.mse_loss, micro_batches=2,
-                             group=ctx.pipeline_group, timeout=30)
-    inputs, target = batch(0, 4)
-    with pytest.raises((TypeError, pipecomm.PeerFailedError), match="holds a DTensor"):
-        pipe.step(inputs, target=target)
+    module = layer if ctx.stage == 0 else Gathered(layer)
+    pipe = pipecomm.Pipeline(module, stage=ctx.stage, num_stages=2, loss_fn=F.mse_loss, micro_batches=MICRO_BATCHES,
+                             schedule=schedule, group=ctx.pipeline_group, timeout=60)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        inputs, target = batch(step, 2 * MICRO_BATCHES)
+        loss = pipe.step(inputs, target=target)
+        ref_loss = F.mse_loss(reference(inputs), target)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-4, atol=1e-5)
+        for optim in (optimizer, ref_optimizer):
+            optim.step()
+            optim.zero_grad()
+    for name, param in layer.named_parameters():
+        torch.testing.assert_close(full(param.detach()), dict(reference[ctx.stage].named_parameters())[name],
+                                   rtol=1e-4, atol=1e-5)
     pipe.close()
-    return "refused"
+    return f"pp {ctx.stage} tp {ctx.tp_rank}"
 
 
-def test_a_dtensor_crossing_a_stage_boundary_is_refused(tmp_path):
-    assert run_ranks(2, dtensor_output, tmp_path, timeout=90) == ["refused", "refused"]
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_dtensor_crosses_a_stage_boundary_as_shards_and_is_rebuilt(tmp_path, schedule):
+    assert len(set(run_ranks(4, dtensor_across, tmp_path, schedule, timeout=120))) == 4

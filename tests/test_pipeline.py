@@ -137,6 +137,9 @@ def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_b
         pytest.param("gpipe", 2, 1, 4, "cuda-graphs", marks=needs_cuda),
         pytest.param("1f1b", 2, 1, 4, "cuda-graphs", marks=needs_cuda),
         pytest.param("interleaved-1f1b", 2, 2, 4, "cuda-graphs", marks=needs_cuda),
+        pytest.param("zb-h1", 2, 1, 4, "cuda-graphs", marks=needs_cuda),
+        pytest.param("zb-h2", 2, 1, 4, "cuda-graphs", marks=needs_cuda),
+        pytest.param("zb-v", 2, 2, 4, "cuda-graphs", marks=needs_cuda),
     ],
 )
 def test_training_matches_single_process(tmp_path, schedule, world_size, virtual, micro_batches, kind):

@@ -114,7 +114,7 @@ def test_the_list_scheduler_builds_the_same_orders_in_numba_and_python():
     for num_ranks, micro_batches in itertools.product((2, 4, 8), (4, 11, 32)):
         # Three looped stages per rank count activations in thirds, whose sums round.
         placements = (*(looped_placement(num_ranks, chunks * num_ranks) for chunks in (1, 2, 3)), v_placement(num_ranks))
-        for placement, flags in itertools.product(placements, itertools.product((True, False), repeat=3)):
+        for placement, flags in itertools.product(placements, itertools.product((True, False), repeat=2)):
             chunks = len(placement) // num_ranks
             # Unit costs tie often, so the tie-breaking is checked too; caps of one or two stages' activations fail.
             costs = rng.choice([{kind: 1 for kind in "FIW"}, {kind: MEASURED[kind] / chunks for kind in "FIW"},
@@ -125,8 +125,8 @@ def test_the_list_scheduler_builds_the_same_orders_in_numba_and_python():
                 leads += [[base + slope * (num_ranks - 1 - rank) for rank in range(num_ranks)]
                           for base, slope in ((1, 1), (2, 2), (num_ranks, 1))]
             for lead in leads:
-                variant = dict(deepest_forward_first=flags[0], weights_before_forwards=flags[1],
-                               deepest_gradient_first=flags[2], first_stage_lead=lead)
+                variant = dict(weights_before_forwards=flags[0], deepest_gradient_first=flags[1],
+                               first_stage_lead=lead)
                 try:
                     expected = list_scheduling._build_orders_python(placement, micro_batches, costs, cap, **variant)
                 except ValueError as error:
@@ -136,7 +136,7 @@ def test_the_list_scheduler_builds_the_same_orders_in_numba_and_python():
                     continue
                 assert list_scheduling.build_orders(placement, micro_batches, costs, cap, **variant) == expected
                 built += 1
-    assert built > 280 and failed > 150
+    assert built > 140 and failed > 75
 
 
 @pytest.mark.parametrize(("args", "kwargs", "message"), [
