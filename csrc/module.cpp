@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <torch/version.h>
 
+#include "pack_alignment.h"
 #include "transport/bindings.h"
 
 #ifdef PIPECOMM_WITH_CUDA
@@ -31,5 +32,6 @@ py::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pipecomm native extension";
   m.def("build_info", &build_info, "What this extension was compiled with: torch version, CUDA or not.");
+  m.attr("PACK_ALIGNMENT") = pipecomm::kPackAlignment;
   pipecomm::transport::register_bindings(m);
 }

@@ -75,7 +75,7 @@ std::vector<int64_t> packed_offsets_of_bytes(c10::ArrayRef<int64_t> nbytes) {
   int64_t offset = 0;
   for (const int64_t bytes : nbytes) {
     offsets.push_back(offset);
-    offset += align_up(bytes, kPackAlignment);
+    offset += static_cast<int64_t>(align_to_pack(static_cast<size_t>(bytes)));
   }
   offsets.push_back(offset);
   return offsets;

@@ -7,14 +7,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "pack_alignment.h"
+
 namespace pipecomm {
-
-// Every packed tensor starts at a multiple of this many bytes, so vector loads stay aligned.
-constexpr int64_t kPackAlignment = 16;
-
-inline int64_t align_up(int64_t bytes, int64_t alignment) {
-  return (bytes + alignment - 1) / alignment * alignment;
-}
 
 // Validates accumulate_'s lists: equal lengths, shapes, one device, supported dtype pairs,
 // contiguity. Throws ValueError naming the offending index.

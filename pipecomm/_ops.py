@@ -4,11 +4,11 @@ from collections.abc import Sequence
 
 import torch
 
-from pipecomm import _C  # noqa: F401  (importing it registers the ops)
+from pipecomm import _C  # importing it registers the ops
 
 __all__: list[str] = []
 
-PACK_ALIGNMENT = 16
+PACK_ALIGNMENT = _C.PACK_ALIGNMENT  # the native kernels' rule (csrc/pack_alignment.h), never restated here
 
 
 def accumulate_(accumulators: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float = 1.0) -> None:

@@ -16,7 +16,7 @@ from pipecomm.cuda_graphs import GraphedStage, in_flight_slots
 from pipecomm.device_timing import DeviceTimeline
 from pipecomm.schedule import Action, Schedule
 from pipecomm.split_backward import DeferredGrad, WeightGradStore, weight_grad
-from pipecomm.transport import Channel, ChannelError
+from pipecomm.transport.channel import Channel, ChannelError
 
 __all__: list[str] = []
 

@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from pipecomm.transport import PeerDiedError, keep_forever
+from pipecomm.transport.channel import PeerDiedError
+from pipecomm.transport.lifetime import keep_forever
 
 __all__ = ["PeerFailedError"]
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-import warnings
 from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 
+from pipecomm.jit import compiled
 from pipecomm.schedule import COMMUNICATION_KINDS, COMPUTE_KINDS, DEFAULT_COSTS, Schedule
 
-__all__ = ["Encoded", "compiled", "encode", "kind_costs", "step_and_busy_times"]
+__all__ = ["Encoded", "encode", "kind_costs", "step_and_busy_times"]
 
 _KINDS = COMPUTE_KINDS + COMMUNICATION_KINDS  # codes: F B I W SEND_F RECV_F SEND_B RECV_B = 0 .. 7
 _CODE = {kind: code for code, kind in enumerate(_KINDS)}
@@ -93,15 +92,3 @@ def _run_python(actions, offsets, kind_costs, comm_time, num_stages, micro_batch
         if position[rank] < offsets[rank + 1]:
             return clock, busy, rank
     return clock, busy, -1
-
-
-@functools.cache
-def compiled(function):
-    """``function`` compiled by numba on first use (importing numba takes a while); without numba, as it is."""
-    try:
-        import numba
-    except ImportError:  # a machine without numba (the GPU images) gets the same results, at Python speed
-        warnings.warn("pipecomm: numba is not installed; schedules are simulated and list-scheduled at Python speed "
-                      "and the planner skips its local search", stacklevel=3)
-        return function
-    return numba.njit(cache=True)(function)

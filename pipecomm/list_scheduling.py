@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from pipecomm.jit import compiled
+
 __all__: list[str] = []
 
 Pass = tuple[str, int, int]  # (kind, stage, micro-batch); kind is F, I or W
@@ -29,8 +31,6 @@ def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[st
     stage's early forwards would hold stays free for the last stage's. An activation counts 1/v on a
     rank holding v stages and is held from its F until its W. Runs numba-jitted where numba is installed.
     """
-    from pipecomm.fast_simulation import compiled  # here: fast_simulation imports schedule, which imports this module
-
     build = compiled(_build_arrays)
     if build is _build_arrays:  # without numba the dictionaries' version is the faster
         return _build_orders_python(placement, micro_batches, costs, memory_cap, weights_before_forwards,

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipecomm.fast_simulation import compiled
+from pipecomm.jit import compiled
 from pipecomm.list_scheduling import PASS_KINDS
 from pipecomm.schedule import Action, Schedule, validate, with_communication
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import json
 import math
@@ -30,7 +29,9 @@ from pipecomm.recompute import checkpoint_stages
 from pipecomm.schedule import SCHEDULES, Schedule, looped_placement, make_schedule, validate
 from pipecomm.sharded_stages import ShardedStages
 from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
-from pipecomm.transport import ChannelError, keep_forever
+from pipecomm.transport.channel import ChannelError
+from pipecomm.transport.lifetime import keep_forever
+from pipecomm.transport.loopback import LoopbackChannel
 
 __all__ = ["Pipeline"]
 
@@ -484,7 +485,7 @@ class Pipeline:
         for peer in sorted(peers, key=lambda peer: (min(peer, self.rank), max(peer, self.rank))):
             for kind in ("act", "grad"):
                 if peer == self.rank:
-                    channel = _Loopback()
+                    channel = LoopbackChannel(global_rank, self.device, timeout)
                 else:
                     channel = transport.connect(self._global_rank(peer), self.group, backend, device=self.device,
                                                 timeout=timeout, peer_failure=lambda: self._notes.reasons(global_rank))
@@ -551,25 +552,6 @@ class Pipeline:
     def _wait(self, collective: Collective) -> None:
         """Waits for one of this Pipeline's collectives: at most its timeout, and not once another rank failed."""
         collective.wait(self.timeout, self._notes, self._global_rank(self.rank))
-
-
-class _Loopback:
-    """A channel from a rank to itself, for interleaved stages that follow each other on one rank."""
-
-    def __init__(self):
-        self._messages: collections.deque = collections.deque()
-
-    def send(self, tensors) -> None:
-        self._messages.append(tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in tensors))
-
-    def recv(self) -> tuple:
-        return self._messages.popleft()
-
-    def close(self) -> None:
-        self._messages.clear()
-
-    def abort(self, reason: str) -> None:
-        self.close()
 
 
 class _CallGuard:

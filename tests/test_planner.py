@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pipecomm
-from pipecomm import fast_simulation, list_scheduling, local_search
+from pipecomm import fast_simulation, jit, list_scheduling, local_search
 from pipecomm.schedule import (
     SCHEDULES,
     looped_placement,
@@ -98,7 +98,7 @@ def test_the_search_finds_the_same_order_in_numba_and_python(name, num_ranks, mi
     chunk_costs = np.array([MEASURED[kind] / schedule.stages_per_rank for kind in ("F", "I", "W")])
     start = simulate(schedule, {**MEASURED, "B": MEASURED["I"] + MEASURED["W"]}).step_time
     found = []
-    for search in (local_search._search_python, fast_simulation.compiled(local_search._search_python)):
+    for search in (local_search._search_python, jit.compiled(local_search._search_python)):
         searched = order.copy()
         step_time = search(searched, lengths, chunk_costs, schedule.num_stages, micro_batches,
                            num_ranks * schedule.stages_per_rank, 1500, 6, 1e-4 * start, 5e-3)

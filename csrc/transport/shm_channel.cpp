@@ -103,7 +103,7 @@ class ShmChannel {
     std::vector<Segment> segments;
     size_t offset = 0;
     for (size_t i = 0; i < outs.size(); ++i) {
-      offset = align_part_offset(offset);
+      offset = align_to_pack(offset);
       const auto bytes = static_cast<int64_t>(parts[i].bytes);
       segments.push_back({static_cast<const uint8_t*>(message.data) + offset, outs[i].data_ptr(), bytes, bytes});
       offset += parts[i].bytes;

@@ -454,7 +454,7 @@ size_t packed_message_bytes(const MessagePart* parts, size_t num_parts) {
       throw std::invalid_argument("pipecomm shm ring: message part " + std::to_string(index) +
                                   " has a null pointer but " + std::to_string(parts[index].bytes) + " bytes");
     }
-    const size_t begin = align_part_offset(end);
+    const size_t begin = align_to_pack(end);
     if (begin < end || parts[index].bytes > SIZE_MAX - begin) {
       throw std::length_error("pipecomm shm ring: message size overflows");
     }
@@ -961,7 +961,7 @@ void ShmRingSender::send(const MessagePart* parts, size_t num_parts, uint32_t ta
   std::byte* slot_data = data_segment_.data() + (seq % config_.num_slots) * slot_bytes_;
   size_t offset = 0;
   for (size_t index = 0; index < num_parts; ++index) {
-    offset = align_part_offset(offset);
+    offset = align_to_pack(offset);
     if (parts[index].bytes != 0) std::memcpy(slot_data + offset, parts[index].data, parts[index].bytes);
     offset += parts[index].bytes;
   }

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "../pack_alignment.h"
+
 namespace pipecomm::transport {
 
 // Base of every channel failure, so bindings can map the whole family at once.
@@ -61,14 +63,7 @@ struct Message {
   size_t bytes;
 };
 
-// Every part starts at a multiple of this offset inside the message, so tensor data stays aligned.
-inline constexpr size_t kPartAlignment = 16;
-
-constexpr size_t align_part_offset(size_t offset) {
-  return (offset + kPartAlignment - 1) & ~(kPartAlignment - 1);
-}
-
-// Payload size of a message: parts at aligned offsets, without padding after the last part.
+// Payload size of a message: parts at kPackAlignment offsets (pack_alignment.h), without padding after the last part.
 size_t packed_message_bytes(const MessagePart* parts, size_t num_parts);
 
 // Unlinks /dev/shm segments whose name starts with prefix and whose creator process is gone.

@@ -271,7 +271,7 @@ void test_round_trip() {
         CHECK(receiver.sender_attached());
         const Message multi = receiver.recv();
         CHECK(multi.seq == 0 && multi.tag == 7);
-        CHECK(reinterpret_cast<uintptr_t>(multi.data) % kPartAlignment == 0);
+        CHECK(reinterpret_cast<uintptr_t>(multi.data) % pipecomm::kPackAlignment == 0);
         const auto* bytes = static_cast<const std::byte*>(multi.data);
         CHECK(std::memcmp(bytes + 0, first.data(), 5) == 0);
         CHECK(std::memcmp(bytes + 16, second.data(), 17) == 0);
@@ -295,7 +295,7 @@ void test_round_trip() {
       receiver);
   const MessagePart parts[] = {{first.data(), 5}, {second.data(), 17}, {nullptr, 0}, {fourth.data(), 100}};
   CHECK(packed_message_bytes(parts, 4) == 148);
-  CHECK(align_part_offset(0) == 0 && align_part_offset(1) == 16 && align_part_offset(16) == 16);
+  CHECK(pipecomm::align_to_pack(0) == 0 && pipecomm::align_to_pack(1) == 16 && pipecomm::align_to_pack(16) == 16);
 }
 
 void test_ordering() {
@@ -402,12 +402,12 @@ void run_stress_sender(const std::string& name) {
 bool stress_message_intact(const Message& message) {
   const PlannedMessage planned = plan_message(message.seq);
   size_t payload_end = 0;
-  for (size_t bytes : planned.part_bytes) payload_end = align_part_offset(payload_end) + bytes;
+  for (size_t bytes : planned.part_bytes) payload_end = pipecomm::align_to_pack(payload_end) + bytes;
   if (message.tag != planned.tag || message.bytes != payload_end) return false;
   const auto* data = static_cast<const std::byte*>(message.data);
   size_t offset = 0;
   for (size_t part = 0; part < planned.part_bytes.size(); ++part) {
-    offset = align_part_offset(offset);
+    offset = pipecomm::align_to_pack(offset);
     if (!matches_pattern(data + offset, planned.part_bytes[part], part_seed(message.seq, part))) return false;
     offset += planned.part_bytes[part];
   }

@@ -1,4 +1,4 @@
-"""The CUDA-IPC channel's Python side: growing the peer's slots through the store, and a bounded close and abort."""
+"""The CUDA-IPC backend's Python side: opening it, growing the peer's slots through the store, and a bounded close and abort."""
 
 from __future__ import annotations
 
@@ -6,9 +6,13 @@ import struct
 import threading
 import time
 
-from pipecomm.transport import Channel, ChannelTimeoutError
+import torch
 
-__all__: list[str] = []
+from pipecomm import _C
+from pipecomm.transport.channel import Channel, ChannelTimeoutError
+from pipecomm.transport.rendezvous import Rendezvous
+
+__all__ = ["IpcChannel"]
 
 _GROW_REQUEST = struct.Struct("<QQ")  # slot bytes needed, first message seq to use them
 # How often the grow service looks for requests: fast right after one, backing off while idle.
@@ -34,14 +38,22 @@ class IpcChannel(Channel):
         super().__init__(rank, peer_rank, device, timeout)
         self._native = native
         self._rendezvous = rendezvous
-        self._recv = native.recv
-        self._native_send = native.send
-        self._interrupt = native.interrupt
         self._grow_requests = 0
         # The peer may need bigger slots while this rank is busy elsewhere: a thread answers at once,
         # so two ranks sending oversized messages to each other cannot deadlock.
         self._grow_service = threading.Thread(target=self._serve_grow_requests, daemon=True)
         self._grow_service.start()
+
+    @classmethod
+    def open(cls, rendezvous: Rendezvous, device: torch.device, timeout: float, num_slots: int,
+             slot_bytes: int) -> IpcChannel:
+        """Creates this end's rings, named through ``rendezvous``, and maps the peer's from the handles it publishes."""
+        rank, peer_rank = rendezvous.rank, rendezvous.peer_rank
+        native = _C.IpcChannel(*rendezvous.segment_names(), rank, peer_rank, device.index, num_slots, slot_bytes,
+                               timeout)
+        rendezvous.set("ipc", native.handles())
+        native.connect(rendezvous.get_peer("ipc"))
+        return cls(rank, peer_rank, device, timeout, native, rendezvous)
 
     def _shrink(self, slot_bytes):
         # The peer may already be sending the next num_slots messages into the old slots: the smaller
@@ -59,10 +71,16 @@ class IpcChannel(Channel):
         return self._native.host_phase_times()
 
     def _send(self, tensors):
-        needed = self._native_send(tensors)
+        needed = self._native.send(tensors)
         if needed:
             self._request_growth(needed)
-            self._native_send(tensors)
+            self._native.send(tensors)
+
+    def _recv(self):
+        return self._native.recv()
+
+    def _interrupt(self):
+        self._native.interrupt()
 
     def _request_growth(self, needed: int) -> None:
         self._grow_requests += 1
