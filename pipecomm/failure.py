@@ -107,9 +107,14 @@ class Collective:
                 # At least a millisecond: a zero timeout means none to torch.distributed.
                 work.wait(datetime.timedelta(seconds=max(0.001, min(POLL_SECONDS, deadline - time.monotonic()))))
                 break
-            except RuntimeError as error:
-                if work.is_completed():  # the collective itself failed: gloo lost a peer
-                    raise _peer_error(self.what, error, notes, global_rank) from error
+            except RuntimeError:
+                if work.is_completed():
+                    # Done since the slice ran out, or failed (gloo lost a peer): waiting again says which.
+                    try:
+                        work.wait()
+                        break
+                    except RuntimeError as error:
+                        raise _peer_error(self.what, error, notes, global_rank) from error
                 reasons = notes.reasons(global_rank) if notes is not None else ""
                 if reasons or time.monotonic() >= deadline:
                     keep_forever(self.tensors)

@@ -17,6 +17,7 @@ from torch import nn
 from ranks import run_ranks
 
 import pipecomm
+from pipecomm import failure
 
 HIDDEN = 8
 BOUND_SECONDS = 5.0  # every rank must raise this soon after the fault; the Pipelines' timeout is 60 s
@@ -349,6 +350,7 @@ EXIT_SCRIPT = """
 import torch, torch.distributed as dist
 from torch import nn
 import pipecomm
+from pipecomm import failure
 
 context = pipecomm.init()
 torch.manual_seed(0)
@@ -379,3 +381,35 @@ def test_a_correct_script_exits_cleanly(tmp_path, close, runs):
             capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         assert completed.returncode == 0, f"run {run}: exit {completed.returncode}\n{completed.stderr[-3000:]}"
+
+
+class _SlowWork:
+    """A collective's work that completes just after a wait's slice runs out, as a loaded machine makes it."""
+
+    def __init__(self, error: RuntimeError | None = None):
+        self.error = error
+        self.waits = 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        if timeout is not None:
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self):
+        return self.waits > 0
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_collective_done_as_its_wait_slice_ends_is_not_a_failure(monkeypatch, failed):
+    monkeypatch.setattr(failure.dist, "get_backend", lambda group: "gloo")
+    work = _SlowWork(RuntimeError("Connection closed by peer") if failed else None)
+    collective = failure.Collective(lambda: work, [], None, "the broadcast of the loss")
+    if failed:
+        with pytest.raises(failure.PeerDiedError, match="the broadcast of the loss: a process of the collective died"):
+            collective.wait(5.0, None, 0)
+    else:
+        collective.wait(5.0, None, 0)
+    assert work.waits == 2
