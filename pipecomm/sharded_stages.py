@@ -17,17 +17,16 @@ class ShardedStages:
     unsharded gradients (``requires_gradient_sync`` off); ``finish`` reduce-scatters a stage's gradients
     once, after its last backward of the step, and reshards it, so that the optimizer steps the shards
     and the next step gathers their new values. While gathered, a module's parameters are FSDP's
-    unsharded tensors: the executor reads them at each backward (``live_parameters``).
+    unsharded tensors: the executor reads them at each backward (``GradientSink(live=...)``).
     """
 
     def __init__(self, modules: dict[int, nn.Module]):
-        self.by_stage = {stage: [m for m in module.modules() if isinstance(m, FSDPModule)]
-                         for stage, module in modules.items()}
-        self.by_stage = {stage: found for stage, found in self.by_stage.items() if found}
-        for found in self.by_stage.values():
-            for module in found:
+        found = {stage: [m for m in module.modules() if isinstance(m, FSDPModule)] for stage, module in modules.items()}
+        self.by_stage = {stage: sharded for stage, sharded in found.items() if sharded}
+        for sharded in self.by_stage.values():
+            for module in sharded:
                 module.set_reshard_after_forward(False, recurse=False)
-        self._start_accumulating(self.by_stage)
+            _accumulate_unsharded(sharded)
 
     def __bool__(self) -> bool:
         return bool(self.by_stage)
@@ -55,7 +54,7 @@ class ShardedStages:
         for state in states:
             if state._is_root:  # waits for the reduce-scatters and settles FSDP's per-step state
                 state._root_post_backward_final_callback()
-        self._start_accumulating({stage: found})
+        _accumulate_unsharded(found)
 
     def reshard(self) -> None:
         """Frees the gathered parameters after a forward-only pass (no backward reshards them)."""
@@ -63,10 +62,10 @@ class ShardedStages:
             for module in found:
                 module.reshard()
 
-    @staticmethod
-    def _start_accumulating(by_stage: dict[int, list[FSDPModule]]) -> None:
-        for found in by_stage.values():
-            for module in found:
-                module.set_is_last_backward(False)
-                module.set_reshard_after_backward(False, recurse=False)
-                module.set_requires_gradient_sync(False, recurse=False)
+
+def _accumulate_unsharded(modules: list[FSDPModule]) -> None:
+    """Until the stage's last backward of the step: no reshard after a backward, no reduce-scatter."""
+    for module in modules:
+        module.set_is_last_backward(False)
+        module.set_reshard_after_backward(False, recurse=False)
+        module.set_requires_gradient_sync(False, recurse=False)
