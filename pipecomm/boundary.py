@@ -164,9 +164,6 @@ class StructureChannel:
 
     def send(self, flat: Flat, micro_batches: int, batch_size: int | None = None) -> None:
         """``batch_size`` (the whole batch's, as the first stage got it) lets the last stage check its targets."""
-        if any(isinstance(tensor, DTensor) for tensor in flat.tensors):
-            raise TypeError("a stage's output holds a DTensor that was not taken apart by boundary.stage_output "
-                            "(a CUDA-graphed stage's: keep use_local_output=True there)")
         header = _Header(flat.layout, tuple(tensor.requires_grad for tensor in flat.tensors), micro_batches, batch_size)
         encoded = None
         if not _same_header(header, self._sent):

@@ -8,7 +8,6 @@ micro-batch it can hold in flight (the schedule says how many), used round-robin
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from pipecomm import boundary
 from pipecomm.schedule import Schedule
-from pipecomm.split_backward import weight_grad
+from pipecomm.split_backward import deferrable_linears, weight_grad
 
 __all__: list[str] = []
 
@@ -117,7 +116,7 @@ class GraphedStage:
         """The stage (and loss) on ``inputs``; with ``linears``, also records each deferrable Linear's weight, input
         and output as it runs."""
         hooks = [layer.register_forward_hook(functools.partial(_record, linears))
-                 for layer in self._deferrable()] if linears is not None else []
+                 for layer in deferrable_linears([self.module])] if linears is not None else []
         try:
             args, kwargs = boundary.unflatten(inputs.tensors, inputs.layout)
             output = self.module(*args, **kwargs)
@@ -127,14 +126,11 @@ class GraphedStage:
         if self.loss is not None:
             output = self.loss(output, *boundary.unflatten(targets.tensors, targets.layout))
         flat = boundary.flatten(output)
+        if self.loss is None and any(isinstance(tensor, DTensor) for tensor in flat.tensors):
+            raise TypeError(f"cuda_graphs: stage {self.stage}'s output holds a DTensor, which a graph's static outputs "
+                            "cannot hand over as its local shard; keep use_local_output=True in the last layer's plan")
         self.output_layout = flat.layout
         return flat.tensors
-
-    def _deferrable(self) -> list[nn.Linear]:
-        """The layers whose weight gradients W computes: plain Linears whose weight nothing else in the stage uses."""
-        uses = collections.Counter(id(p) for _, p in self.module.named_parameters(remove_duplicate=False))
-        return [layer for layer in self.module.modules()
-                if type(layer) is nn.Linear and uses[id(layer.weight)] == 1 and not isinstance(layer.weight, DTensor)]
 
     def _capture(self, inputs: boundary.Flat, targets: boundary.Flat) -> None:
         device = inputs.tensors[0].device
@@ -226,7 +222,8 @@ class GraphedStage:
 
 
 def _record(linears: list, layer: nn.Linear, args: tuple, output: torch.Tensor) -> None:
-    if layer.weight.requires_grad and output.requires_grad:
+    # As the eager deferral decides at each forward: a tensor-parallel weight's gradient is left to I.
+    if layer.weight.requires_grad and output.requires_grad and not isinstance(layer.weight, DTensor):
         linears.append((layer.weight, args[0], output))
 
 

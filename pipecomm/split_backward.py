@@ -86,6 +86,15 @@ def _after_forward(store: WeightGradStore, layer: nn.Linear, args: tuple, output
     return _ReportInput.apply(output, x, (layer.weight,), store, deferred)
 
 
+def deferrable_linears(modules: Iterable[nn.Module]) -> list[nn.Linear]:
+    """The layers whose weight gradients a W pass may compute: plain ``nn.Linear`` layers of ``modules`` whose weight
+    nothing else among them uses. Whether a forward defers one is decided as it runs (frozen, tensor-parallel)."""
+    modules = list(modules)
+    uses = collections.Counter(id(p) for m in modules for _, p in m.named_parameters(remove_duplicate=False))
+    return [layer for module in modules for layer in module.modules()
+            if type(layer) is nn.Linear and uses[id(layer.weight)] == 1]
+
+
 def defer_linear_weight_grads(modules: Iterable[nn.Module], store: WeightGradStore) -> Callable[[], None]:
     """Makes the plain ``nn.Linear`` layers of ``modules`` report to ``store``; returns the undo.
 
@@ -96,13 +105,8 @@ def defer_linear_weight_grads(modules: Iterable[nn.Module], store: WeightGradSto
     modules = list(modules)
     if any(isinstance(module, torch._dynamo.eval_frame.OptimizedModule) for module in modules):
         return lambda: None
-    uses = collections.Counter(id(p) for m in modules for _, p in m.named_parameters(remove_duplicate=False))
-    handles = [
-        layer.register_forward_hook(functools.partial(_after_forward, store))
-        for module in modules
-        for layer in module.modules()
-        if type(layer) is nn.Linear and uses[id(layer.weight)] == 1
-    ]
+    handles = [layer.register_forward_hook(functools.partial(_after_forward, store))
+               for layer in deferrable_linears(modules)]
 
     def undo() -> None:
         for handle in handles:
