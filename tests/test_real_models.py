@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from models import VOCAB, LongSkip, ResidualCNN, gpt2, llama
 from ranks import held_stages, needs_cuda, rank_device, run_ranks
@@ -194,3 +195,46 @@ def greedy_decoding(rank: int, world_size: int, batch: int) -> str:
 @pytest.mark.parametrize("batch", [1, 6])
 def test_greedy_decoding_token_for_token_with_a_broadcast_result(tmp_path, batch):
     assert run_ranks(2, greedy_decoding, tmp_path, batch, timeout=180) == ["ok"] * 2
+
+
+def fsdp_and_pipeline(rank, world_size, build, schedule):
+    """pp 2 × FSDP dp 2: each transformer block sharded over the replicas (the tied embedding and head stay whole),
+    3 AdamW steps against one process accumulating over the same micro-batches of the global batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    ctx = pipecomm.init(pipeline_size=2, data_size=2)
+    micro_batches = 2
+    model = build(2)
+    reference = copy.deepcopy(model)
+    inputs, kwargs, _ = lm_batch(100)
+    stage = pipecomm.split(model, 2, ctx.stage, example_inputs=tuple(value[:2] for value in inputs),
+                           example_kwargs={key: value[:2] for key, value in kwargs.items()})
+    blocks = [module for module in stage.modules() if type(module).__name__ in ("GPT2Block", "LlamaDecoderLayer")]
+    assert blocks
+    for block in blocks:
+        fully_shard(block, mesh=ctx.mesh["dp"])
+    pipe = pipecomm.Pipeline(stage, stage=ctx.stage, num_stages=2, loss_fn=lm_loss, micro_batches=micro_batches,
+                             schedule=schedule, group=ctx.pipeline_group, data_group=ctx.data_group, timeout=60)
+    optimizer = torch.optim.AdamW(list({id(p): p for p in pipe.parameters()}.values()), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    share = slice(BATCH // 2 * ctx.dp_rank, BATCH // 2 * (ctx.dp_rank + 1))
+    for step in range(STEPS):
+        inputs, kwargs, target = lm_batch(step)
+        pipe.step(*(value[share] for value in inputs), target=target[share],
+                  **{key: value[share] for key, value in kwargs.items()})
+        reference_step(reference, inputs, kwargs, target, lm_loss, 2 * micro_batches)
+        for optim in (optimizer, ref_optimizer):
+            optim.step()
+            optim.zero_grad()
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    for name, param in stage.named_parameters():
+        param = param.full_tensor() if isinstance(param, DTensor) else param
+        torch.testing.assert_close(param.detach(), ref_params[name].detach(), rtol=1e-4, atol=1e-5, msg=name)
+    pipe.close()
+    return "ok"
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_hugging_face_models_with_fsdp_blocks_train_exactly(tmp_path, build, schedule):
+    assert run_ranks(4, fsdp_and_pipeline, tmp_path, build, schedule, timeout=240) == ["ok"] * 4
