@@ -219,21 +219,9 @@ class StageExecutor:
         ``batch_size`` is the batch's on the first stage; later stages learn it from the activations and the
         last one checks that its targets' batch size, ``target_batch``, matches.
         """
-        self._inputs, self._targets = inputs, targets
-        self._batch_size, self._target_batch = batch_size, target_batch
+        self._start(inputs, targets, batch_size, target_batch, self.schedule.micro_batches)
         if self.last_stage in self.modules:
             self._check_target_batch(batch_size)  # a one-rank pipeline's own batch; the others' arrives with it
-        self._received: dict[tuple[int, int], boundary.Received] = {}
-        # The tensors of a received message that gradients answer (none on the first stage, whose inputs are data).
-        self._stage_inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._outputs: dict[tuple[int, int], boundary.Flat] = {}
-        self._saved: dict[tuple[int, int], _SavedStorages] = {}
-        self._grads_out: dict[tuple[int, int], tuple | None] = {}
-        self._grads_in: dict[tuple[int, int], tuple] = {}
-        self._deferred: dict[tuple[int, int], list[DeferredGrad]] = {}
-        self._deferred_weights: dict[tuple[int, int], set[int]] = {}
-        self._loss: torch.Tensor | None = None
-        self._backwards_done: dict[int, int] = dict.fromkeys(self.modules, 0)
         self.timeline = []
         handlers = {
             "F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight,
@@ -256,6 +244,46 @@ class StageExecutor:
             device.end_step()
         return self._loss
 
+    def infer(self, inputs: list[tuple[tuple, dict]] | None, forward_schedule: Callable[[int], Schedule]) -> list | None:
+        """Inference over ``forward_schedule(micro_batches)``; returns the last stage's output of each micro-batch
+        (None on a rank without the last stage).
+
+        ``inputs`` are given on the first stage's rank; a rank without that stage learns how many micro-batches
+        there are from its first message, which is always the first action of its forward-only schedule.
+        """
+        self._start(inputs, None, None, None, None)
+        self._inferred: list = []
+        first_message = None
+        if inputs is None:
+            first_message = Action("RECV_F", min(self.modules), 0)
+            self._recv_forward(first_message.stage, 0)
+            self._micro_batches = self._received[(first_message.stage, 0)].micro_batches
+        else:
+            self._micro_batches = len(inputs)
+        handlers = {"F": self._infer, "SEND_F": self._send_inferred, "RECV_F": self._recv_forward}
+        for action in forward_schedule(self._micro_batches).actions[self.rank]:
+            if action != first_message:
+                handlers[action.kind](action.stage, action.micro_batch)
+        return self._inferred if self.last_stage in self.modules else None
+
+    def _start(self, inputs, targets, batch_size: int | None, target_batch: int | None,
+               micro_batches: int | None) -> None:
+        """Per-call state: what a step or an inference reads and fills as its actions run."""
+        self._inputs, self._targets = inputs, targets
+        self._batch_size, self._target_batch = batch_size, target_batch
+        self._micro_batches = micro_batches
+        self._received: dict[tuple[int, int], boundary.Received] = {}
+        # The tensors of a received message that gradients answer (none on the first stage, whose inputs are data).
+        self._stage_inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._outputs: dict[tuple[int, int], boundary.Flat] = {}
+        self._saved: dict[tuple[int, int], _SavedStorages] = {}
+        self._grads_out: dict[tuple[int, int], tuple | None] = {}
+        self._grads_in: dict[tuple[int, int], tuple] = {}
+        self._deferred: dict[tuple[int, int], list[DeferredGrad]] = {}
+        self._deferred_weights: dict[tuple[int, int], set[int]] = {}
+        self._loss: torch.Tensor | None = None
+        self._backwards_done: dict[int, int] = dict.fromkeys(self.modules, 0)
+
     def compute_spans(self) -> list[tuple[float, float, Action]]:
         """(start, end, action) of the last step's compute actions: CUDA-event times (seconds from the step's start)
         with a device timeline, else the host clock."""
@@ -270,17 +298,19 @@ class StageExecutor:
         # The one place the loss is scaled: the step's gradients then average the micro-batches.
         return self.loss_fn(output, *targets) / self.schedule.micro_batches
 
+    def _stage_arguments(self, stage: int, micro_batch: int) -> tuple[tuple, dict, list[torch.Tensor]]:
+        """A forward's positional and keyword arguments, and the received tensors among them (none on the first
+        stage, whose inputs are data)."""
+        if stage == 0:
+            return *self._inputs[micro_batch], []
+        received = self._received.pop((stage, micro_batch))
+        self._check_batch(received, stage == self.last_stage)
+        return boundary.as_arguments(received.structure), {}, received.tensors
+
     def _forward(self, stage: int, micro_batch: int) -> None:
         key = (stage, micro_batch)
         last = stage == self.last_stage
-        if stage == 0:
-            args, kwargs = self._inputs[micro_batch]
-            self._stage_inputs[key] = []
-        else:
-            received = self._received.pop(key)
-            args, kwargs = boundary.as_arguments(received.structure), {}
-            self._stage_inputs[key] = received.tensors
-            self._check_batch(received, last)
+        args, kwargs, self._stage_inputs[key] = self._stage_arguments(stage, micro_batch)
         targets = self._targets[micro_batch] if last else ()
         graphed = self.graphed.get(stage)
         if graphed:
@@ -308,12 +338,21 @@ class StageExecutor:
             self._outputs[key] = boundary.stage_output(output)
             self._saved[key] = saved
 
+    def _infer(self, stage: int, micro_batch: int) -> None:
+        """An inference forward: no graphs, no saved tensors, nothing kept past its send."""
+        args, kwargs, _ = self._stage_arguments(stage, micro_batch)
+        output = self.modules[stage](*args, **kwargs)
+        if stage == self.last_stage:
+            self._inferred.append(output)
+        else:
+            self._outputs[(stage, micro_batch)] = boundary.stage_output(output)
+
     def _check_batch(self, received: boundary.Received, last: bool) -> None:
         """The first stage's batch against this rank's schedule and, on the last stage, its targets: a target of
         another batch size would broadcast silently in many losses."""
-        if received.micro_batches != self.schedule.micro_batches:
-            raise ValueError(f"step: the first stage split the batch into {received.micro_batches} micro-batches but "
-                             f"the Pipeline on rank {self.rank} has micro_batches={self.schedule.micro_batches}")
+        if received.micro_batches != self._micro_batches:
+            raise ValueError(f"the first stage split the batch into {received.micro_batches} micro-batches but "
+                             f"the Pipeline on rank {self.rank} has micro_batches={self._micro_batches}")
         if last:
             self._check_target_batch(received.batch_size)
 
@@ -398,6 +437,10 @@ class StageExecutor:
         self._transfer("send", "act", stage + 1, stage, micro_batch, outputs, self.schedule.micro_batches,
                        self._batch_size)
         _free_storage(outputs.tensors, self._saved.pop(key, None))
+
+    def _send_inferred(self, stage: int, micro_batch: int) -> None:
+        outputs = self._outputs.pop((stage, micro_batch))
+        self._transfer("send", "act", stage + 1, stage, micro_batch, outputs, self._micro_batches)
 
     def _recv_forward(self, stage: int, micro_batch: int) -> None:
         received = self._transfer("recv", "act", stage - 1, stage, micro_batch)

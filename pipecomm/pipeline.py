@@ -20,13 +20,13 @@ from pipecomm import _C, boundary, microbatch, transport
 from pipecomm.capture import CapturedStage
 from pipecomm.device_timing import DeviceTimeline
 from pipecomm.auto_schedule import CostMeter, initial_schedule
-from pipecomm.executor import GradientSink, StageExecutor, naming_transfer
+from pipecomm.executor import GradientSink, StageExecutor
 from pipecomm.failure import Collective, FailureNotes, PeerFailedError, describe
 from pipecomm.grad_sync import DataParallelGrads, SharedParameters, local_shard, stage_norm
 from pipecomm.partition import StageModule
 from pipecomm.planner import plan_schedule
 from pipecomm.recompute import checkpoint_stages
-from pipecomm.schedule import SCHEDULES, Schedule, looped_placement, make_schedule, validate
+from pipecomm.schedule import SCHEDULES, Schedule, forward_schedule, looped_placement, make_schedule, validate
 from pipecomm.sharded_stages import ShardedStages
 from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
 from pipecomm.transport.channel import ChannelError
@@ -124,6 +124,7 @@ class Pipeline:
         self._undo_deferral: Callable[[], None] = lambda: None
         self._undo_recompute: Callable[[], None] = lambda: None
         self._loss_wire: torch.Tensor | None = None
+        self._forward_schedules: dict[int, Schedule] = {}  # inference's, per micro-batch count
         self.planned_costs: dict[str, float] | None = None  # schedule="auto": the F, I and W it planned for
         with self._failing_fast("building the Pipeline"):
             _check_configuration(modules, stages, num_stages, self.num_ranks, schedule)
@@ -252,32 +253,21 @@ class Pipeline:
             return self._forward(split_inputs, broadcast_result)
 
     def _forward(self, split_inputs: list | None, broadcast_result: bool):
-        outputs = []
-        # Ranks without the first stage learn the number of micro-batches from the first message.
-        micro_batches = len(split_inputs) if split_inputs is not None else None
-        micro_batch = 0
-        while micro_batches is None or micro_batch < micro_batches:
-            for stage in self.stages:
-                if stage == 0:
-                    args, kwargs = split_inputs[micro_batch]
-                else:
-                    with naming_transfer(self.rank, stage, micro_batch, "recv", "activation", stage - 1):
-                        received = self._channels[(self.schedule.stage_rank(stage - 1), "act")].recv()
-                    micro_batches = received.micro_batches
-                    args, kwargs = boundary.as_arguments(received.structure), {}
-                output = self.modules[stage](*args, **kwargs)
-                if stage == self.num_stages - 1:
-                    outputs.append(output)
-                else:
-                    with naming_transfer(self.rank, stage, micro_batch, "send", "activation", stage + 1):
-                        channel = self._channels[(self.schedule.stage_rank(stage + 1), "act")]
-                        channel.send(boundary.stage_output(output), micro_batches)
-            micro_batch += 1
+        outputs = self._executor.infer(split_inputs, self._forward_schedule)
         self._sharded.reshard()
         result = microbatch.join(outputs) if outputs else None
         if broadcast_result and self.num_ranks > 1:
             result = self._broadcast_from_last(result)
         return result
+
+    def _forward_schedule(self, micro_batches: int) -> Schedule:
+        """Inference's forward-only schedule on this pipeline's placement, built and validated once per micro-batch count."""
+        schedule = self._forward_schedules.get(micro_batches)
+        if schedule is None:
+            schedule = forward_schedule(self.num_ranks, micro_batches, self.schedule.placement)
+            validate(schedule)
+            self._forward_schedules[micro_batches] = schedule
+        return schedule
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips every stage's gradients by the global norm across the whole pipeline; returns that norm."""
@@ -609,6 +599,9 @@ sys.excepthook = _fail_live_pipelines
 def _check_configuration(modules, stages, num_stages, num_ranks, schedule) -> None:
     """Every misconfiguration is a ValueError here, before any communication."""
     if isinstance(schedule, Schedule):
+        if schedule.forward_only:
+            raise ValueError(f"Pipeline: the schedule {schedule.name!r} is forward-only, and step needs backwards; "
+                             "give a training schedule (Pipeline.forward derives its own forward-only one)")
         if schedule.num_ranks != num_ranks:
             raise ValueError(f"Pipeline: the schedule {schedule.name!r} is for {schedule.num_ranks} ranks, but the "
                              f"pipeline group has {num_ranks}")

@@ -18,6 +18,7 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "Schedule",
+    "forward_schedule",
     "SimulationResult",
     "make_schedule",
     "peak_memory",
@@ -27,6 +28,7 @@ __all__ = [
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMMUNICATION_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+_FORWARD_KINDS = ("F", "SEND_F", "RECV_F")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
 DEFAULT_COSTS: Mapping[str, float] = types.MappingProxyType(
     {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "SEND_F": 0.0, "RECV_F": 0.0, "SEND_B": 0.0, "RECV_B": 0.0}
@@ -74,7 +76,8 @@ class Schedule:
     """What every rank runs, in order, and which rank holds each stage.
 
     ``placement[s]`` is the rank of stage s; left empty it is looped (stage s on rank s % num_ranks).
-    The V placement of ZB-V puts stages r and 2 * num_ranks - 1 - r on rank r.
+    The V placement of ZB-V puts stages r and 2 * num_ranks - 1 - r on rank r. A ``forward_only`` schedule
+    (inference) has F passes and their transfers only; any other needs every backward.
     """
 
     name: str
@@ -83,6 +86,7 @@ class Schedule:
     micro_batches: int
     actions: tuple[tuple[Action, ...], ...]  # actions[rank], in execution order
     placement: tuple[int, ...] = ()
+    forward_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.placement:
@@ -164,6 +168,33 @@ def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages:
                           for rank in range(num_ranks)]
     actions = tuple(with_communication(order, num_stages) for order in compute_orders)
     return Schedule(name, num_ranks, num_stages, micro_batches, actions, placement)
+
+
+def forward_schedule(num_ranks: int, micro_batches: int, placement: tuple[int, ...]) -> Schedule:
+    """Inference on ``placement``: every F pass with its transfers, each micro-batch moving one stage per slot.
+
+    Micro-batch m runs stage s at slot start(m) + s, where start(m) is the first slot after start(m - 1) at which
+    none of its passes meets an earlier micro-batch's on the same rank (a rank runs one pass per slot). So every
+    message is received in the slot after it is sent, and one buffer slot per channel suffices: no order deadlocks
+    on the runtime's bounded channels. One stage per rank gives GPipe's forward; interleaved stages, Megatron's
+    groups of num_ranks micro-batches; the V, a new micro-batch every second slot.
+    """
+    num_stages = len(placement)
+    busy: set[tuple[int, int]] = set()  # (rank, slot)
+    passes: list[tuple[int, int, int]] = []  # (slot, stage, micro-batch)
+    start = -1
+    for micro_batch in range(micro_batches):
+        start += 1
+        while any((placement[stage], start + stage) in busy for stage in range(num_stages)):
+            start += 1
+        for stage in range(num_stages):
+            busy.add((placement[stage], start + stage))
+            passes.append((start + stage, stage, micro_batch))
+    orders: list[list[Action]] = [[] for _ in range(num_ranks)]
+    for _, stage, micro_batch in sorted(passes):
+        orders[placement[stage]].append(Action("F", stage, micro_batch))
+    actions = tuple(with_communication(order, num_stages) for order in orders)
+    return Schedule("forward", num_ranks, num_stages, micro_batches, actions, tuple(placement), forward_only=True)
 
 
 def validate(schedule: Schedule, buffer_slots: int = 4) -> None:
@@ -379,6 +410,9 @@ def _check_structure(schedule: Schedule) -> None:
                 raise ValueError(f"{action} on rank {rank}: stage outside [0, {schedule.num_stages})")
             if not 0 <= action.micro_batch < schedule.micro_batches:
                 raise ValueError(f"{action} on rank {rank}: micro-batch outside [0, {schedule.micro_batches})")
+            if schedule.forward_only and action.kind not in _FORWARD_KINDS:
+                raise ValueError(f"{action} on rank {rank}: a forward-only schedule has no backward passes or "
+                                 "gradient transfers")
             if schedule.stage_rank(action.stage) != rank:
                 raise ValueError(
                     f"{action} is on rank {rank}, but stage {action.stage} is held by rank "
@@ -394,11 +428,12 @@ def _check_structure(schedule: Schedule) -> None:
     last_stage = schedule.num_stages - 1
     for stage in range(schedule.num_stages):
         for micro_batch in range(schedule.micro_batches):
-            _check_passes(stage, micro_batch, positions)
-            backward_kind = "B" if Action("B", stage, micro_batch) in positions else "I"
+            _check_passes(stage, micro_batch, positions, schedule.forward_only)
             # Each compute pass with the transfers that feed it and carry its result on.
             needs = [("F", "RECV_F", stage > 0), ("F", "SEND_F", stage < last_stage)]
-            needs += [(backward_kind, "RECV_B", stage < last_stage), (backward_kind, "SEND_B", stage > 0)]
+            if not schedule.forward_only:
+                backward_kind = "B" if Action("B", stage, micro_batch) in positions else "I"
+                needs += [(backward_kind, "RECV_B", stage < last_stage), (backward_kind, "SEND_B", stage > 0)]
             for compute_kind, transfer_kind, needed in needs:
                 compute = Action(compute_kind, stage, micro_batch)
                 transfer = Action(transfer_kind, stage, micro_batch)
@@ -428,11 +463,13 @@ def _check_structure(schedule: Schedule) -> None:
                 )
 
 
-def _check_passes(stage: int, micro_batch: int, positions: Mapping[Action, tuple[int, int]]) -> None:
+def _check_passes(stage: int, micro_batch: int, positions: Mapping[Action, tuple[int, int]], forward_only: bool) -> None:
     present = {kind for kind in COMPUTE_KINDS if Action(kind, stage, micro_batch) in positions}
     where = f"stage {stage}, micro-batch {micro_batch}"
     if "F" not in present:
         raise ValueError(f"{where} has no forward F{stage}.{micro_batch}")
+    if forward_only:
+        return
     if "B" in present and present & {"I", "W"}:
         split = " and ".join(f"{kind}{stage}.{micro_batch}" for kind in ("I", "W") if kind in present)
         raise ValueError(f"{where} mixes a full backward B{stage}.{micro_batch} with {split}")

@@ -519,11 +519,14 @@ def test_a_skip_crosses_several_stages_and_an_unused_input_gets_no_gradient(tmp_
 
 
 
-def inference(rank: int, world_size: int) -> str:
+def inference(rank: int, world_size: int, schedule: str, chunks: int) -> str:
+    num_stages = world_size * chunks
     torch.manual_seed(0)
-    stages = structured_stages(world_size, ("model_output", "logits"))
-    pipe = pipecomm.Pipeline(stages[rank], stage=rank, num_stages=world_size, loss_fn=structured_loss,
-                             micro_batches=4, timeout=30)
+    stages = structured_stages(num_stages, ("model_output", "logits"))
+    mine = held_stages(schedule, world_size, 4, chunks, rank)
+    pipe = pipecomm.Pipeline([stages[s] for s in mine], stage=mine, num_stages=num_stages, loss_fn=structured_loss,
+                             micro_batches=4, schedule=schedule, timeout=30)
+    first, last = 0 in mine, num_stages - 1 in mine
     for batch_size in (1, 3, BATCH):
         (inputs,), kwargs, _ = structured_batch(batch_size)
         inputs = {"x": inputs["x"][:batch_size]}
@@ -531,9 +534,8 @@ def inference(rank: int, world_size: int) -> str:
                   "shift": {"bias": kwargs["shift"]["bias"][:batch_size], "factor": 3}}
         with torch.no_grad():
             expected = one_process_forward(stages, inputs, kwargs)
-        first = rank == 0
         output = pipe.forward(inputs, **kwargs) if first else pipe.forward()
-        if rank == world_size - 1:
+        if last:
             torch.testing.assert_close(output, expected, **TOLERANCE)
         else:
             assert output is None
@@ -550,8 +552,12 @@ def one_process_forward(stages, inputs, kwargs):
     return output
 
 
-def test_inference_of_any_batch_size_returns_the_model_structure_on_every_rank(tmp_path):
-    run_ranks(2, inference, tmp_path, timeout=120)
+@pytest.mark.parametrize("ranks, schedule, chunks", [(2, "1f1b", 1), (2, "interleaved-1f1b", 2), (2, "zb-v", 2),
+                                                     (4, "zb-v", 2)])
+def test_inference_of_any_batch_size_returns_the_model_structure_on_every_rank(tmp_path, ranks, schedule, chunks):
+    """Through the executor's forward-only schedule on the training schedule's placement: looped, interleaved (a
+    rank's stages talk to each other's ranks) and V (the turn hands over on one rank)."""
+    run_ranks(ranks, inference, tmp_path, schedule, chunks, timeout=120)
 
 
 SCENARIOS = {

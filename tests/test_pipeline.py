@@ -14,6 +14,7 @@ from models import MaskedBlock
 from ranks import held_stages, needs_cuda, rank_device, run_ranks
 
 import pipecomm
+from pipecomm.schedule import forward_schedule
 
 HIDDEN = 16
 BATCH = 8
@@ -398,6 +399,11 @@ def test_one_process_pipeline_without_torch_distributed(schedule, chunks):
     for module, ref_module in zip(stages, reference):
         for param, ref_param in zip(module.parameters(), ref_module.parameters()):
             torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6)
+    expected = (x[:3], mask[:3])
+    with torch.no_grad():
+        for stage in reference:
+            expected = stage(*expected)
+    torch.testing.assert_close(pipe.forward(x[:3], mask[:3]), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_schedule_that_does_not_fit_the_pipeline_is_refused():
@@ -408,6 +414,9 @@ def test_a_schedule_that_does_not_fit_the_pipeline_is_refused():
     with pytest.raises(ValueError, match="the schedule 'zb-v' is for 2 ranks, but the pipeline group has 1"):
         pipecomm.Pipeline(stages, stage=[0, 1], num_stages=2, loss_fn=loss_fn, micro_batches=4,
                           schedule=pipecomm.make_schedule("zb-v", 2, 4))
+    with pytest.raises(ValueError, match="the schedule 'forward' is forward-only, and step needs backwards"):
+        pipecomm.Pipeline(stages, stage=[0, 1], num_stages=2, loss_fn=loss_fn, micro_batches=4,
+                          schedule=forward_schedule(1, 4, (0, 0)))
 
 
 def auto_schedule(rank: int, world_size: int, chunks: int) -> tuple:
