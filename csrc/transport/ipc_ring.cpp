@@ -14,7 +14,7 @@
 #include <thread>
 #include <utility>
 
-#include "shm_ring.h"  // ChannelError, ProtocolError
+#include "errors.h"
 #include "sm_transfer.h"
 
 #if !defined(CUDART_VERSION) || CUDART_VERSION < 12000
