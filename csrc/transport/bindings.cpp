@@ -1,7 +1,7 @@
 // Registers the channel runtime on the extension module: error types, then each channel kind.
 #include "bindings.h"
 
-#include "shm_ring.h"
+#include "errors.h"
 
 namespace py = pybind11;
 

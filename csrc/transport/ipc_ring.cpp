@@ -1,4 +1,5 @@
-// CUDA-IPC ring: allocation, handle serialization, peer mapping and the stream-ordered protocol.
+// CUDA-IPC ring: runs ipc_protocol.h's steps on the device (stream memory operations, copies, the SM path),
+// and owns the device memory they touch: allocation, export, peer mapping and their release.
 #include "ipc_ring.h"
 
 #include <cuda.h>  // driver API types and enums only; the functions come from cudaGetDriverEntryPoint*
@@ -8,13 +9,11 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <iterator>
-#include <limits>
 #include <mutex>
 #include <thread>
 #include <utility>
 
-#include "shm_ring.h"  // ChannelError, ProtocolError
+#include "errors.h"
 #include "sm_transfer.h"
 
 #if !defined(CUDART_VERSION) || CUDART_VERSION < 12000
@@ -25,11 +24,7 @@ namespace pipecomm::transport {
 
 namespace {
 
-constexpr uint32_t kMagic = 0x52435049;  // "IPCR" in memory order on little-endian hosts
-constexpr uint32_t kFormatVersion = 3;  // 2: the flags hold a `posted` line after ack[K]; 3: data offset
 constexpr size_t kBusIdBytes = 32;
-constexpr size_t kFlagLineBytes = 64;  // every counter in its own line
-constexpr uint32_t kMaxSlots = 1u << 16;
 // Peer allocations a sender keeps mapped (cudaIpcOpenMemHandle costs far more than a message), and
 // exported allocations a receiver remembers; a caching allocator's steady state needs a handful.
 constexpr size_t kMaxPeerAllocations = 64;
@@ -37,22 +32,8 @@ constexpr size_t kMaxExportedAllocations = 256;
 // The ABI version of the stream memory operations we ask for: the _v2 entry points (CUDA 11.7+,
 // the default from 12.0), which need no CAN_USE_STREAM_MEM_OPS_V1 attribute.
 constexpr unsigned int kDriverApiVersion = 12000;
-
-// Blob layout (host byte order; both ends are on one host).
-constexpr size_t kOffMagic = 0;
-constexpr size_t kOffVersion = 4;
-constexpr size_t kOffBusId = 8;
-constexpr size_t kOffPid = kOffBusId + kBusIdBytes;  // 40
-constexpr size_t kOffNumSlots = kOffPid + 4;         // 44
-constexpr size_t kOffSlotBytes = kOffNumSlots + 4;   // 48
-constexpr size_t kOffGeneration = kOffSlotBytes + 8;  // 56
-constexpr size_t kOffReserved = kOffGeneration + 4;   // 60
-constexpr size_t kOffFirstSeq = kOffReserved + 4;     // 64
-constexpr size_t kOffFlagsHandle = kOffFirstSeq + 8;  // 72
-constexpr size_t kOffDataHandle = kOffFlagsHandle + sizeof(cudaIpcMemHandle_t);
-constexpr size_t kOffDataOffset = kOffDataHandle + sizeof(cudaIpcMemHandle_t);  // of the data in its allocation
-constexpr size_t kBlobBytes = kOffDataOffset + 8;
-static_assert(sizeof(cudaIpcMemHandle_t) == 64, "unexpected cudaIpcMemHandle_t size");
+static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(ipc::IpcHandle), "unexpected cudaIpcMemHandle_t size");
+static_assert(ipc::kMaxStepWaits <= kSmTransferMaxWaits, "a thread block polls every wait of a send");
 
 using StreamMemOpFn = CUresult(CUDAAPI*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 using ErrorStringFn = CUresult(CUDAAPI*)(CUresult, const char**);
@@ -170,112 +151,88 @@ std::string bus_id_of(int device, const std::string& prefix) {
   return std::string(buffer);
 }
 
+cudaStream_t cuda_stream(ipc::StreamId stream) { return static_cast<cudaStream_t>(stream); }
 
-// Where message seq lives: its slot, the round that slot's counters reach for it, and the slot's
-// two counters in the flags allocation (ready[K], then ack[K], then posted, each in its own line).
-struct SlotPosition {
-  uint32_t slot;
-  uint32_t round;
-  const void* ready;
-  const void* ack;
-
-  std::string describe(uint64_t seq) const {
-    return "message " + std::to_string(seq) + ", slot " + std::to_string(slot) + ", round " + std::to_string(round);
-  }
-};
-
-SlotPosition slot_position(const void* flags, uint32_t num_slots, uint64_t seq) {
-  const auto slot = static_cast<uint32_t>(seq % num_slots);
-  const auto* base = static_cast<const char*>(flags);
-  return {slot, static_cast<uint32_t>(seq / num_slots + 1), base + size_t{slot} * kFlagLineBytes,
-          base + (size_t{num_slots} + slot) * kFlagLineBytes};
+std::vector<cudaStream_t> cuda_streams(const std::vector<ipc::StreamId>& streams) {
+  std::vector<cudaStream_t> cuda;
+  for (ipc::StreamId stream : streams) cuda.push_back(cuda_stream(stream));
+  return cuda;
 }
 
-const void* posted_counter(const void* flags, uint32_t num_slots) {
-  return static_cast<const char*>(flags) + size_t{2} * num_slots * kFlagLineBytes;
+cudaIpcMemHandle_t cuda_handle(const ipc::IpcHandle& handle) {
+  cudaIpcMemHandle_t cuda;
+  std::memcpy(&cuda, handle.data(), sizeof(cuda));
+  return cuda;
 }
 
-size_t flags_bytes_for(uint32_t num_slots) { return (size_t{2} * num_slots + 1) * kFlagLineBytes; }
-
-template <typename T>
-void put(std::string& blob, size_t offset, const T& value) {
-  std::memcpy(&blob[offset], &value, sizeof(T));
+ipc::IpcHandle opaque_handle(const cudaIpcMemHandle_t& handle) {
+  ipc::IpcHandle opaque;
+  std::memcpy(opaque.data(), &handle, sizeof(handle));
+  return opaque;
 }
 
-template <typename T>
-T get(const std::string& blob, size_t offset) {
-  T value;
-  std::memcpy(&value, blob.data() + offset, sizeof(T));
-  return value;
+// The record of data generation `generation` among an end's per-generation device state.
+template <typename Records>
+auto record_of(Records& records, uint32_t generation) {
+  return std::find_if(records.begin(), records.end(),
+                      [&](const auto& record) { return record.generation == generation; });
 }
 
-cudaIpcMemHandle_t handle_at(const std::string& blob, size_t offset) {
-  cudaIpcMemHandle_t handle;
-  std::memcpy(&handle, blob.data() + offset, sizeof(handle));
-  return handle;
+// Where a counter of the receiver's flags allocation lies in this process.
+char* counter_address(void* flags, const ipc::CounterValue& counter) {
+  return static_cast<char*>(flags) + counter.offset;
 }
 
-// Checks every region before anything is enqueued, so a bad message leaves the ring usable.
-void check_regions(const CopyRegion* regions, size_t count, size_t slot_bytes, uint32_t generation, uint64_t seq,
-                   const std::string& prefix) {
-  if (count > 0 && regions == nullptr) {
-    throw ProtocolError(prefix + ": message " + std::to_string(seq) + ": " + std::to_string(count) +
-                        " regions passed as a null pointer");
-  }
-  for (size_t i = 0; i < count; ++i) {
-    const CopyRegion& region = regions[i];
-    if (region.slot_offset > slot_bytes || region.bytes > slot_bytes - region.slot_offset) {
-      throw ProtocolError(prefix + ": message " + std::to_string(seq) + " region " + std::to_string(i) +
-                          ": slot_offset " + std::to_string(region.slot_offset) + " + bytes " +
-                          std::to_string(region.bytes) + " exceeds slot_bytes " + std::to_string(slot_bytes) +
-                          " (data generation " + std::to_string(generation) +
-                          "); the receiver must grow() and the sender update() first");
+// A step's owed write and (unless a block polls them) its waits, in order. Each driver call costs the
+// host microseconds, which bound a small message's latency, so two or more go in one batched call.
+template <typename Describe>
+void enqueue_memory_operations(const ipc::Step& step, bool with_waits, void* flags, cudaStream_t stream,
+                               const DriverApi& api, const std::string& prefix, const Describe& what) {
+  const int waits = with_waits ? step.wait_count : 0;
+  const bool owed = step.owed_write.has_value();
+  if (waits + (owed ? 1 : 0) > 1 && api.batch_mem_op != nullptr) {
+    CUstreamBatchMemOpParams operations[ipc::kMaxStepWaits + 1] = {};
+    unsigned int count = 0;
+    if (owed) {
+      CUstreamBatchMemOpParams& write = operations[count++];
+      write.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+      write.writeValue.address = device_address(counter_address(flags, *step.owed_write));
+      write.writeValue.value = step.owed_write->value;
+      write.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
     }
-    if (region.bytes > 0 && region.local == nullptr) {
-      throw ProtocolError(prefix + ": message " + std::to_string(seq) + " region " + std::to_string(i) +
-                          ": null local pointer for " + std::to_string(region.bytes) + " bytes");
+    for (int w = 0; w < waits; ++w) {
+      CUstreamBatchMemOpParams& wait = operations[count++];
+      wait.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
+      wait.waitValue.address = device_address(counter_address(flags, step.waits[w]));
+      wait.waitValue.value = step.waits[w].value;
+      wait.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
+    }
+    if (const CUresult result = api.batch_mem_op(stream, count, operations, 0); result != CUDA_SUCCESS) {
+      std::string names = owed ? step.owed_write->name : "";
+      for (int w = 0; w < waits; ++w) names += std::string(names.empty() ? "" : " + ") + step.waits[w].name;
+      check_driver(result, api, prefix, "cuStreamBatchMemOp", names + ", " + what());
+    }
+    return;
+  }
+  if (owed) {
+    if (const CUresult result = api.write_value32(stream, device_address(counter_address(flags, *step.owed_write)),
+                                                  step.owed_write->value, CU_STREAM_WRITE_VALUE_DEFAULT);
+        result != CUDA_SUCCESS) {
+      check_driver(result, api, prefix, "cuStreamWriteValue32", std::string(step.owed_write->name) + ", " + what());
+    }
+  }
+  for (int w = 0; w < waits; ++w) {
+    const ipc::CounterValue& wait = step.waits[w];
+    if (const CUresult result = api.wait_value32(stream, device_address(counter_address(flags, wait)), wait.value,
+                                                 CU_STREAM_WAIT_VALUE_GEQ);
+        result != CUDA_SUCCESS) {
+      check_driver(result, api, prefix, "cuStreamWaitValue32", std::string(wait.name) + ", " + what());
     }
   }
 }
 
-void check_next_seq(uint64_t seq, uint64_t expected, const std::string& prefix, const char* what) {
-  if (seq != expected) {
-    throw ProtocolError(prefix + ": " + what + " got message seq " + std::to_string(seq) + ", expected " +
-                        std::to_string(expected) + " (sequence numbers go 0, 1, 2, ... per direction)");
-  }
-}
-
-// One stream-ordered step of the protocol: wait until each flag reaches its value, copy the regions into
-// `slot` (a peer slot or posted buffer) or out of it (this end's slot), then write `signal` = value.
-struct Step {
-  struct Flag {
-    const void* flag = nullptr;
-    uint32_t value = 0;
-    const char* name = "";  // for error messages
-  };
-  Flag waits[kSmTransferMaxWaits];
-  int wait_count = 0;
-  const CopyRegion* regions = nullptr;
-  size_t count = 0;
-  char* slot = nullptr;
-  bool into_slot = true;
-  Flag signal;  // none while its flag is null
-  Flag prior_signal;  // a write owed from before (a deferred post), made ahead of the waits; none while null
-
-  void wait(const void* flag, uint32_t value, const char* name) { waits[wait_count++] = {flag, value, name}; }
-};
-
-// A step that copies `regions` into `slot` (into_slot) or out of it, then raises `signal`.
-Step copy_step(const CopyRegion* regions, size_t count, char* slot, bool into_slot, Step::Flag signal) {
-  Step step;
-  step.regions = regions;
-  step.count = count;
-  step.slot = slot;
-  step.into_slot = into_slot;
-  step.signal = signal;
-  return step;
-}
-
+// Enqueues a step whose copies go into `target` (a peer slot or posted buffer: a send) or come out of it
+// (this end's slot: a receive); flags is the flags allocation as mapped here.
 // A step that copies 1 .. sm_max_bytes bytes in at most kSmTransferMaxCopies pieces copies and raises its
 // flag in one thread block (sm_transfer.h). A send's block also does the send's waits, which are for slots
 // and buffers freed long before as a rule; a receive waits for its peer, which may take long, and a
@@ -283,102 +240,58 @@ Step copy_step(const CopyRegion* regions, size_t count, char* slot, bool into_sl
 // operation and then launches the block. Every other step runs as stream memory waits, one copy-engine
 // copy per region and a memory write whose default flags put a barrier before it, so the data is
 // visible before the flag.
-// A step's prior signal and (unless a block polls them) its waits, in order. Each driver call costs the
-// host microseconds, which bound a small message's latency, so two or more go in one batched call.
 template <typename Describe>
-void enqueue_memory_operations(const Step& step, bool with_waits, cudaStream_t stream, const DriverApi& api,
-                               const std::string& prefix, const Describe& what) {
-  const int waits = with_waits ? step.wait_count : 0;
-  const bool prior = step.prior_signal.flag != nullptr;
-  if (waits + (prior ? 1 : 0) > 1 && api.batch_mem_op != nullptr) {
-    CUstreamBatchMemOpParams operations[kSmTransferMaxWaits + 1] = {};
-    unsigned int count = 0;
-    if (prior) {
-      CUstreamBatchMemOpParams& write = operations[count++];
-      write.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
-      write.writeValue.address = device_address(step.prior_signal.flag);
-      write.writeValue.value = step.prior_signal.value;
-      write.writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
-    }
-    for (int w = 0; w < waits; ++w) {
-      CUstreamBatchMemOpParams& wait = operations[count++];
-      wait.waitValue.operation = CU_STREAM_MEM_OP_WAIT_VALUE_32;
-      wait.waitValue.address = device_address(step.waits[w].flag);
-      wait.waitValue.value = step.waits[w].value;
-      wait.waitValue.flags = CU_STREAM_WAIT_VALUE_GEQ;
-    }
-    if (const CUresult result = api.batch_mem_op(stream, count, operations, 0); result != CUDA_SUCCESS) {
-      std::string names = prior ? step.prior_signal.name : "";
-      for (int w = 0; w < waits; ++w) names += std::string(names.empty() ? "" : " + ") + step.waits[w].name;
-      check_driver(result, api, prefix, "cuStreamBatchMemOp", names + ", " + what());
-    }
-    return;
-  }
-  if (prior) {
-    if (const CUresult result = api.write_value32(stream, device_address(step.prior_signal.flag),
-                                                  step.prior_signal.value, CU_STREAM_WRITE_VALUE_DEFAULT);
-        result != CUDA_SUCCESS) {
-      check_driver(result, api, prefix, "cuStreamWriteValue32", std::string(step.prior_signal.name) + ", " + what());
-    }
-  }
-  for (int w = 0; w < waits; ++w) {
-    const Step::Flag& wait = step.waits[w];
-    if (const CUresult result = api.wait_value32(stream, device_address(wait.flag), wait.value, CU_STREAM_WAIT_VALUE_GEQ);
-        result != CUDA_SUCCESS) {
-      check_driver(result, api, prefix, "cuStreamWaitValue32", std::string(wait.name) + ", " + what());
-    }
-  }
-}
-
-template <typename Describe>
-void enqueue_step(const Step& step, size_t sm_max_bytes, cudaStream_t stream, const DriverApi& api,
-                  const std::string& prefix, const Describe& what) {
+void enqueue_step(const ipc::Step& step, char* target, void* flags, size_t sm_max_bytes, cudaStream_t stream,
+                  const DriverApi& api, const std::string& prefix, const Describe& what) {
   size_t bytes = 0;
   int pieces = 0;
-  for (size_t i = 0; i < step.count; ++i) {
+  for (size_t i = 0; i < step.region_count; ++i) {
     bytes += step.regions[i].bytes;
     pieces += step.regions[i].bytes > 0 ? 1 : 0;
   }
   const bool by_block = bytes > 0 && bytes <= sm_max_bytes && pieces <= kSmTransferMaxCopies;
-  const bool block_waits = by_block && step.into_slot;
-  enqueue_memory_operations(step, /*with_waits=*/!block_waits, stream, api, prefix, what);
+  const bool block_waits = by_block && step.into_target;
+  enqueue_memory_operations(step, /*with_waits=*/!block_waits, flags, stream, api, prefix, what);
   if (by_block) {
     SmTransfer transfer;
     if (block_waits) {
       for (int w = 0; w < step.wait_count; ++w) {
-        transfer.waits[w] = {static_cast<const uint32_t*>(step.waits[w].flag), step.waits[w].value};
+        transfer.waits[w] = {reinterpret_cast<const uint32_t*>(counter_address(flags, step.waits[w])),
+                             step.waits[w].value};
       }
       transfer.wait_count = step.wait_count;
     }
-    for (size_t i = 0; i < step.count; ++i) {
+    for (size_t i = 0; i < step.region_count; ++i) {
       const CopyRegion& region = step.regions[i];
       if (region.bytes == 0) continue;
-      char* in_slot = step.slot + region.slot_offset;
+      char* in_target = target + region.slot_offset;
       transfer.copies[transfer.copy_count++] =
-          step.into_slot ? SmTransfer::Copy{in_slot, region.local, region.bytes}
-                         : SmTransfer::Copy{region.local, in_slot, region.bytes};
+          step.into_target ? SmTransfer::Copy{in_target, region.local, region.bytes}
+                           : SmTransfer::Copy{region.local, in_target, region.bytes};
     }
-    transfer.signal = static_cast<uint32_t*>(const_cast<void*>(step.signal.flag));
-    transfer.signal_value = step.signal.value;
+    if (step.signal) {
+      transfer.signal = reinterpret_cast<uint32_t*>(counter_address(flags, *step.signal));
+      transfer.signal_value = step.signal->value;
+    }
     check_cuda(enqueue_sm_transfer(transfer, stream), prefix, "sm_transfer kernel launch", what());
     return;
   }
-  for (size_t i = 0; i < step.count; ++i) {
+  for (size_t i = 0; i < step.region_count; ++i) {
     const CopyRegion& region = step.regions[i];
     if (region.bytes == 0) continue;
-    char* in_slot = step.slot + region.slot_offset;
+    char* in_target = target + region.slot_offset;
     if (const cudaError_t error =
-            step.into_slot ? cudaMemcpyAsync(in_slot, region.local, region.bytes, cudaMemcpyDeviceToDevice, stream)
-                           : cudaMemcpyAsync(region.local, in_slot, region.bytes, cudaMemcpyDeviceToDevice, stream);
+            step.into_target ? cudaMemcpyAsync(in_target, region.local, region.bytes, cudaMemcpyDeviceToDevice, stream)
+                             : cudaMemcpyAsync(region.local, in_target, region.bytes, cudaMemcpyDeviceToDevice, stream);
         error != cudaSuccess) {
       check_cuda(error, prefix, "cudaMemcpyAsync", what() + ", region " + std::to_string(i));
     }
   }
-  if (step.signal.flag == nullptr) return;
-  if (const CUresult result = api.write_value32(stream, device_address(step.signal.flag), step.signal.value,
-                                                CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (!step.signal) return;
+  if (const CUresult result = api.write_value32(stream, device_address(counter_address(flags, *step.signal)),
+                                                step.signal->value, CU_STREAM_WRITE_VALUE_DEFAULT);
       result != CUDA_SUCCESS) {
-    check_driver(result, api, prefix, "cuStreamWriteValue32", std::string(step.signal.name) + ", " + what());
+    check_driver(result, api, prefix, "cuStreamWriteValue32", std::string(step.signal->name) + ", " + what());
   }
 }
 
@@ -408,53 +321,6 @@ void release_after_sync(int device, Release&& release) noexcept {
   }
   if (previous >= 0 && previous != device) (void)cudaSetDevice(previous);
   (void)cudaGetLastError();
-}
-
-// Adds stream to the streams that touched something, once.
-void remember(std::vector<cudaStream_t>& streams, cudaStream_t stream) {
-  if (std::find(streams.begin(), streams.end(), stream) == streams.end()) streams.push_back(stream);
-}
-
-// Whether generation a wins over b for a message both could hold: the later start, the newer on a tie.
-template <typename Generation>
-bool supersedes(const Generation& a, const Generation& b) {
-  return a.first_seq != b.first_seq ? a.first_seq > b.first_seq : a.generation > b.generation;
-}
-
-// Where message seq lives: of the generations starting at or before it, the one that supersedes the rest;
-// nullptr when none does.
-template <typename Generations>
-auto* find_holding(Generations& generations, uint64_t seq) {
-  decltype(&generations.front()) holder = nullptr;
-  for (auto& generation : generations) {
-    if (generation.first_seq <= seq && (holder == nullptr || supersedes(generation, *holder))) holder = &generation;
-  }
-  return holder;
-}
-
-template <typename Generations>
-auto* generation_holding(Generations& generations, uint64_t seq, const std::string& error_prefix) {
-  auto* holder = find_holding(generations, seq);
-  if (holder == nullptr) {
-    throw ProtocolError(error_prefix + ": no data generation holds message " + std::to_string(seq));
-  }
-  return holder;
-}
-
-// Moves out of `generations` those no message from next_seq on can reach, i.e. superseded by one that
-// starts at or before next_seq (generations made later start there or later, so they never revive one).
-template <typename Generation>
-std::vector<Generation> take_superseded(std::vector<Generation>& generations, uint64_t next_seq) {
-  std::vector<Generation> superseded;
-  const Generation* current = find_holding(generations, next_seq);
-  if (current == nullptr) return superseded;
-  const uint32_t keep = current->generation;
-  auto kept = std::stable_partition(generations.begin(), generations.end(), [&](const Generation& generation) {
-    return generation.generation == keep || generation.first_seq > next_seq;
-  });
-  std::move(kept, generations.end(), std::back_inserter(superseded));
-  generations.erase(kept, generations.end());
-  return superseded;
 }
 
 // Receiver allocations mapped in this process, shared by every sender in it: the runtime maps an
@@ -509,59 +375,21 @@ PeerMappings& peer_mappings() {
 
 }  // namespace
 
-size_t round_slot_bytes(size_t bytes, const std::string& prefix) {
-  if (bytes == 0) bytes = 1;
-  if (bytes > std::numeric_limits<size_t>::max() - (kIpcSlotAlignment - 1)) {
-    throw ProtocolError(prefix + ": slot size " + std::to_string(bytes) + " overflows");
-  }
-  return (bytes + kIpcSlotAlignment - 1) / kIpcSlotAlignment * kIpcSlotAlignment;
-}
-
-IpcRingHandleInfo parse_ipc_ring_handles(const std::string& handles) {
-  const std::string prefix = "pipecomm ipc ring";
-  if (handles.size() != kBlobBytes || get<uint32_t>(handles, kOffMagic) != kMagic) {
-    throw ProtocolError(prefix + ": not an ipc ring handle blob (" + std::to_string(handles.size()) +
-                        " bytes, expected " + std::to_string(kBlobBytes) + " with magic)");
-  }
-  const uint32_t version = get<uint32_t>(handles, kOffVersion);
-  if (version != kFormatVersion) {
-    throw ProtocolError(prefix + ": ipc ring handle blob of format version " + std::to_string(version) +
-                        ", this build reads version " + std::to_string(kFormatVersion));
-  }
-  IpcRingHandleInfo info;
-  const char* bus = handles.data() + kOffBusId;
-  info.pci_bus_id.assign(bus, strnlen(bus, kBusIdBytes));
-  info.owner_pid = get<int32_t>(handles, kOffPid);
-  info.num_slots = get<uint32_t>(handles, kOffNumSlots);
-  info.slot_bytes = get<uint64_t>(handles, kOffSlotBytes);
-  info.generation = get<uint32_t>(handles, kOffGeneration);
-  info.first_seq = get<uint64_t>(handles, kOffFirstSeq);
-  if (info.num_slots == 0 || info.num_slots > kMaxSlots || info.slot_bytes == 0 || info.pci_bus_id.empty()) {
-    throw ProtocolError(prefix + ": corrupt ipc ring handle blob (num_slots " + std::to_string(info.num_slots) +
-                        ", slot_bytes " + std::to_string(info.slot_bytes) + ")");
-  }
-  return info;
-}
-
 // ---------------------------------------------------------------------------------------------------
 // Receiver
 
 IpcRingReceiver::IpcRingReceiver(int device, uint32_t num_slots, size_t slot_bytes, std::string error_prefix,
                                  std::unique_ptr<GenerationAllocator> allocator)
     : device_(device),
-      num_slots_(num_slots),
       error_prefix_(prefix_or_default(std::move(error_prefix))),
       allocator_(std::move(allocator)),
-      sm_max_bytes_(sm_max_bytes_from_environment(error_prefix_)) {
-  if (num_slots == 0 || num_slots > kMaxSlots) {
-    throw ProtocolError(error_prefix_ + ": num_slots must be in [1, " + std::to_string(kMaxSlots) + "], got " +
-                        std::to_string(num_slots));
-  }
+      sm_max_bytes_(sm_max_bytes_from_environment(error_prefix_)),
+      protocol_(num_slots, error_prefix_) {
   driver_api(error_prefix_);  // fail early if the stream memory operations are unavailable
   DeviceGuard guard(device_, error_prefix_);
   try {
     pci_bus_id_ = bus_id_of(device_, error_prefix_);
-    const size_t flags_bytes = flags_bytes_for(num_slots_);
+    const size_t flags_bytes = protocol_.flags().bytes();
     check_cuda(cudaMalloc(&flags_, flags_bytes), error_prefix_, "cudaMalloc",
                "ring flags, " + std::to_string(flags_bytes) + " bytes on device " + std::to_string(device_));
     // Zero on a private stream and wait for it, before the handles can reach any sender; no
@@ -574,7 +402,7 @@ IpcRingReceiver::IpcRingReceiver(int device, uint32_t num_slots, size_t slot_byt
     check_cuda(error, error_prefix_, "cudaMemsetAsync/cudaStreamSynchronize", "zeroing the ring flags");
     check_cuda(destroy_error, error_prefix_, "cudaStreamDestroy");
     check_cuda(cudaIpcGetMemHandle(&flags_handle_, flags_), error_prefix_, "cudaIpcGetMemHandle", "ring flags");
-    add_generation(slot_bytes, 0);
+    add_generation(protocol_.plan_generation(slot_bytes, 0));
   } catch (...) {
     release_all();
     throw;
@@ -588,156 +416,113 @@ void IpcRingReceiver::release_all() noexcept {
     (void)allocator_.release();  // its generations stay allocated, as abandon() promises
     return;
   }
-  if (flags_ == nullptr && generations_.empty()) return;
+  if (flags_ == nullptr && memory_.empty()) return;
   // Receives still queued may read any generation: release_after_sync lets them finish first.
   release_after_sync(device_, [&] {
-    for (Generation& generation : generations_) {
-      if (generation.from_allocator) {
-        allocator_->release(generation.data, generation.readers);
+    for (const GenerationMemory& memory : memory_) {
+      if (memory.from_allocator) {
+        allocator_->release(memory.data, cuda_streams(protocol_.generations().find(memory.generation)->streams));
       } else {
-        (void)cudaFree(generation.data);
+        (void)cudaFree(memory.data);
       }
     }
     for (void* data : superseded_owned_) (void)cudaFree(data);
     if (flags_ != nullptr) (void)cudaFree(flags_);
     if (post_fence_ != nullptr) (void)cudaEventDestroy(post_fence_);
   });
-  generations_.clear();
+  memory_.clear();
   superseded_owned_.clear();
   flags_ = nullptr;
   post_fence_ = nullptr;
 }
 
-
-void IpcRingReceiver::add_generation(size_t slot_bytes, uint64_t first_seq) {
-  const size_t rounded = round_slot_bytes(slot_bytes, error_prefix_);
-  if (rounded > std::numeric_limits<size_t>::max() / num_slots_) {
-    throw ProtocolError(error_prefix_ + ": " + std::to_string(num_slots_) + " slots of " + std::to_string(rounded) +
-                        " bytes overflow");
-  }
-  const size_t total = rounded * num_slots_;
-  Generation generation{};
-  generation.generation = next_generation_;
-  generation.first_seq = first_seq;
-  generation.slot_bytes = rounded;
+void IpcRingReceiver::add_generation(const ipc::NewGeneration& generation) {
+  GenerationMemory memory{generation.number, nullptr, {}, 0, false};
   const auto what = [&] {
-    return "ring data generation " + std::to_string(generation.generation) + ", " + std::to_string(num_slots_) +
-           " slots of " + std::to_string(rounded) + " bytes on device " + std::to_string(device_);
+    return "ring data generation " + std::to_string(generation.number) + ", " + std::to_string(num_slots()) +
+           " slots of " + std::to_string(generation.slot_bytes) + " bytes on device " + std::to_string(device_);
   };
   if (allocator_) {
-    generation.data = allocator_->allocate(total);
-    if (generation.data != nullptr) {
-      if (export_pointer(generation.data, &generation.handle, &generation.offset)) {
-        generation.from_allocator = true;
+    memory.data = allocator_->allocate(generation.total_bytes);
+    if (memory.data != nullptr) {
+      if (export_pointer(memory.data, &memory.handle, &memory.offset)) {
+        memory.from_allocator = true;
       } else {
-        allocator_->release(generation.data, {});  // not exportable (expandable segments, say)
-        generation.data = nullptr;
+        allocator_->release(memory.data, {});  // not exportable (expandable segments, say)
+        memory.data = nullptr;
       }
     }
   }
-  if (!generation.from_allocator) {
-    check_cuda(cudaMalloc(&generation.data, total), error_prefix_, "cudaMalloc", what());
-    const cudaError_t error = cudaIpcGetMemHandle(&generation.handle, generation.data);
+  if (!memory.from_allocator) {
+    check_cuda(cudaMalloc(&memory.data, generation.total_bytes), error_prefix_, "cudaMalloc", what());
+    const cudaError_t error = cudaIpcGetMemHandle(&memory.handle, memory.data);
     if (error != cudaSuccess) {
-      (void)cudaFree(generation.data);
+      (void)cudaFree(memory.data);
       check_cuda(error, error_prefix_, "cudaIpcGetMemHandle", what());
     }
-    generation.offset = 0;
+    memory.offset = 0;
   }
-  generations_.push_back(std::move(generation));
-  ++next_generation_;
+  memory_.push_back(memory);
+  protocol_.add_generation(generation);
 }
 
-const IpcRingReceiver::Generation& IpcRingReceiver::latest() const {
-  return *find_holding(generations_, std::numeric_limits<uint64_t>::max());
-}
-
-void IpcRingReceiver::give_back_superseded() noexcept {
-  for (Generation& generation : take_superseded(generations_, next_seq_)) {
-    if (generation.from_allocator) {
-      allocator_->release(generation.data, generation.readers);
+void IpcRingReceiver::give_back_unreachable() noexcept {
+  for (const ipc::Generation& generation : protocol_.take_unreachable_generations()) {
+    const auto memory = record_of(memory_, generation.number);
+    if (memory->from_allocator) {
+      allocator_->release(memory->data, cuda_streams(generation.streams));
     } else {
-      superseded_owned_.push_back(generation.data);  // cudaFree may synchronize the device: not now
+      superseded_owned_.push_back(memory->data);  // cudaFree may synchronize the device: not now
     }
+    memory_.erase(memory);
   }
 }
 
-std::string IpcRingReceiver::serialize(const Generation& generation) const {
-  std::string blob(kBlobBytes, '\0');
-  put<uint32_t>(blob, kOffMagic, kMagic);
-  put<uint32_t>(blob, kOffVersion, kFormatVersion);
-  std::memcpy(&blob[kOffBusId], pci_bus_id_.data(), std::min(pci_bus_id_.size(), kBusIdBytes - 1));
-  put<int32_t>(blob, kOffPid, static_cast<int32_t>(getpid()));
-  put<uint32_t>(blob, kOffNumSlots, num_slots_);
-  put<uint64_t>(blob, kOffSlotBytes, static_cast<uint64_t>(generation.slot_bytes));
-  put<uint32_t>(blob, kOffGeneration, generation.generation);
-  put<uint64_t>(blob, kOffFirstSeq, generation.first_seq);
-  std::memcpy(&blob[kOffFlagsHandle], &flags_handle_, sizeof(flags_handle_));
-  std::memcpy(&blob[kOffDataHandle], &generation.handle, sizeof(generation.handle));
-  put<uint64_t>(blob, kOffDataOffset, static_cast<uint64_t>(generation.offset));
-  return blob;
+std::string IpcRingReceiver::serialize(const ipc::Generation& generation) const {
+  const GenerationMemory& memory = *record_of(memory_, generation.number);
+  ipc::HandleBlob blob;
+  blob.info = {pci_bus_id_, static_cast<int32_t>(getpid()), num_slots(), generation.slot_bytes, generation.number,
+               generation.first_seq};
+  blob.flags_handle = opaque_handle(flags_handle_);
+  blob.data_handle = opaque_handle(memory.handle);
+  blob.data_offset = memory.offset;
+  return ipc::serialize_handle_blob(blob);
 }
 
-std::string IpcRingReceiver::export_handles() const { return serialize(latest()); }
-
-void IpcRingReceiver::check_not_received(uint64_t first_seq) const {
-  if (first_seq < next_seq_) {
-    throw ProtocolError(error_prefix_ + ": cannot start a data generation at message " + std::to_string(first_seq) +
-                        ": message " + std::to_string(next_seq_ - 1) + " was already received");
-  }
-}
+std::string IpcRingReceiver::export_handles() const { return serialize(protocol_.generations().latest()); }
 
 std::string IpcRingReceiver::resize(size_t slot_bytes, uint64_t first_seq) {
-  check_not_received(first_seq);
+  const ipc::NewGeneration generation = protocol_.plan_generation(slot_bytes, first_seq);
   DeviceGuard guard(device_, error_prefix_);
-  add_generation(slot_bytes, first_seq);
-  return serialize(generations_.back());
+  add_generation(generation);
+  return serialize(*protocol_.generations().find(generation.number));
 }
 
 std::string IpcRingReceiver::grow(size_t min_slot_bytes, uint64_t first_seq) {
-  check_not_received(first_seq);  // before the lookup, which fails for a message given back
-  const size_t old_bytes = generation_holding(generations_, first_seq, error_prefix_)->slot_bytes;
-  const size_t doubled = old_bytes > std::numeric_limits<size_t>::max() / 2 ? old_bytes : old_bytes * 2;
-  return resize(std::max(min_slot_bytes, doubled), first_seq);
+  return resize(protocol_.grown_slot_bytes(min_slot_bytes, first_seq), first_seq);
 }
 
 void IpcRingReceiver::enqueue_receive(uint64_t seq, const CopyRegion* regions, size_t count, cudaStream_t stream) {
-  check_next_seq(seq, next_seq_, error_prefix_, "enqueue_receive");
-  Generation& generation = *generation_holding(generations_, seq, error_prefix_);
-  check_regions(regions, count, generation.slot_bytes, generation.generation, seq, error_prefix_);
-  const DriverApi& api = driver_api(error_prefix_);
-  DeviceGuard guard(device_, error_prefix_);
-
-  const SlotPosition position = slot_position(flags_, num_slots_, seq);
-  char* slot_data = static_cast<char*>(generation.data) + size_t{position.slot} * generation.slot_bytes;
-  // Built only on failure: this is the per-message hot path.
-  const auto what = [&] { return position.describe(seq); };
-
-  // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
-  Step step = copy_step(regions, count, slot_data, /*into_slot=*/false, {position.ack, position.round, "ack"});
-  step.wait(position.ready, position.round, "ready");
-  if (const uint32_t posted = take_deferred_post(stream)) {
-    step.prior_signal = {posted_counter(flags_, num_slots_), posted, "posted"};
-  }
-  enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "out of the slot, " + what(); });
-  remember(generation.readers, stream);
-  ++next_seq_;
-  if (generations_.size() > 1) give_back_superseded();
+  enqueue_receive_plan(protocol_.plan_receive(seq, regions, count, stream));
 }
 
 void IpcRingReceiver::enqueue_receive_direct(uint64_t seq, cudaStream_t stream) {
-  check_next_seq(seq, next_seq_, error_prefix_, "enqueue_receive_direct");
+  enqueue_receive_plan(protocol_.plan_receive_direct(seq, stream));
+}
+
+void IpcRingReceiver::enqueue_receive_plan(const ipc::ReceivePlan& plan) {
   const DriverApi& api = driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
-  const SlotPosition position = slot_position(flags_, num_slots_, seq);
-  Step step;
-  step.wait(position.ready, position.round, "ready");
-  if (const uint32_t posted = take_deferred_post(stream)) {
-    step.prior_signal = {posted_counter(flags_, num_slots_), posted, "posted"};
-  }
-  enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return position.describe(seq) + ", direct"; });
-  ++next_seq_;
-  if (generations_.size() > 1) give_back_superseded();
+  // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
+  if (plan.post_write_before) enqueue_post_write(*plan.post_write_before);
+  char* slot = plan.direct ? nullptr
+                            : static_cast<char*>(record_of(memory_, plan.step.target.generation)->data) +
+                                  plan.step.target.offset;
+  // Built only on failure: this is the per-message hot path.
+  enqueue_step(plan.step, slot, flags_, sm_max_bytes_, cuda_stream(plan.stream), api, error_prefix_,
+               [&] { return plan.describe(); });
+  protocol_.received(plan);
+  if (protocol_.generations().size() > 1) give_back_unreachable();
 }
 
 bool IpcRingReceiver::export_pointer(const void* pointer, cudaIpcMemHandle_t* handle, size_t* offset) {
@@ -776,51 +561,31 @@ bool IpcRingReceiver::export_pointer(const void* pointer, cudaIpcMemHandle_t* ha
 }
 
 void IpcRingReceiver::enqueue_post(uint64_t post, cudaStream_t stream) {
-  if (posted_before_ && post < next_post_) {
-    throw ProtocolError(error_prefix_ + ": enqueue_post got post " + std::to_string(post) + ", but post " +
-                        std::to_string(next_post_ - 1) + " was already posted");
-  }
+  const ipc::PostPlan plan = protocol_.plan_post(post, stream);
   DeviceGuard guard(device_, error_prefix_);
-  if (posted_before_ && stream != last_post_stream_) {
-    // A later post on another stream must not raise the counter before the earlier post's stream
-    // got there: order the new stream after the old one.
-    write_deferred_post();
+  if (plan.owed_write) enqueue_post_write(*plan.owed_write);
+  if (plan.fence) {
     if (post_fence_ == nullptr) {
       check_cuda(cudaEventCreateWithFlags(&post_fence_, cudaEventDisableTiming), error_prefix_,
                  "cudaEventCreateWithFlags", "post fence");
     }
-    check_cuda(cudaEventRecord(post_fence_, last_post_stream_), error_prefix_, "cudaEventRecord", "post fence");
-    check_cuda(cudaStreamWaitEvent(stream, post_fence_, 0), error_prefix_, "cudaStreamWaitEvent", "post fence");
+    check_cuda(cudaEventRecord(post_fence_, cuda_stream(plan.fence->before)), error_prefix_, "cudaEventRecord",
+               "post fence");
+    check_cuda(cudaStreamWaitEvent(cuda_stream(plan.fence->waiter), post_fence_, 0), error_prefix_,
+               "cudaStreamWaitEvent", "post fence");
   }
-  // The counter write waits for the next receive on this stream, which makes it in the same driver call
-  // as its own wait, at the same point of the stream: the host enqueues nothing in between.
-  post_deferred_ = true;
-  posted_before_ = true;
-  last_post_stream_ = stream;
-  next_post_ = post + 1;
+  protocol_.posted(plan);
 }
 
-void IpcRingReceiver::write_deferred_post() {
-  if (!post_deferred_) return;
+void IpcRingReceiver::enqueue_post_write(const ipc::PostWrite& write) {
   const DriverApi& api = driver_api(error_prefix_);
-  if (const CUresult result = api.write_value32(last_post_stream_, device_address(posted_counter(flags_, num_slots_)),
-                                                static_cast<cuuint32_t>(next_post_), CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (const CUresult result = api.write_value32(cuda_stream(write.stream),
+                                                device_address(counter_address(flags_, write.counter)),
+                                                write.counter.value, CU_STREAM_WRITE_VALUE_DEFAULT);
       result != CUDA_SUCCESS) {
-    check_driver(result, api, error_prefix_, "cuStreamWriteValue32", "posted, post " + std::to_string(next_post_ - 1));
+    check_driver(result, api, error_prefix_, "cuStreamWriteValue32",
+                 std::string(write.counter.name) + ", post " + std::to_string(write.post));
   }
-  post_deferred_ = false;
-  written_posts_ = next_post_;
-}
-
-uint32_t IpcRingReceiver::take_deferred_post(cudaStream_t stream) {
-  if (!post_deferred_) return 0;
-  if (stream != last_post_stream_) {
-    write_deferred_post();
-    return 0;
-  }
-  post_deferred_ = false;
-  written_posts_ = next_post_;  // once the caller's step is enqueued, which is the next thing it does
-  return static_cast<uint32_t>(next_post_);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -829,23 +594,14 @@ uint32_t IpcRingReceiver::take_deferred_post(cudaStream_t stream) {
 IpcRingSender::IpcRingSender(int device, const std::string& receiver_handles, std::string error_prefix)
     : device_(device),
       error_prefix_(prefix_or_default(std::move(error_prefix))),
-      sm_max_bytes_(sm_max_bytes_from_environment(error_prefix_)) {
-  IpcRingHandleInfo info;
-  try {
-    info = parse_ipc_ring_handles(receiver_handles);
-  } catch (const ProtocolError& error) {
-    throw ProtocolError(error_prefix_ + ": receiver handles: " + error.what());
-  }
-  pci_bus_id_ = info.pci_bus_id;
-  owner_pid_ = info.owner_pid;
-  num_slots_ = info.num_slots;
-  slot_history_.resize(num_slots_);
-  flags_handle_bytes_ = receiver_handles.substr(kOffFlagsHandle, sizeof(cudaIpcMemHandle_t));
+      sm_max_bytes_(sm_max_bytes_from_environment(error_prefix_)),
+      protocol_(receiver_handles, error_prefix_) {
+  const IpcRingHandleInfo& receiver = protocol_.receiver().info;
   driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
   try {
     int peer = -1;
-    if (cudaDeviceGetByPCIBusId(&peer, pci_bus_id_.c_str()) != cudaSuccess) {
+    if (cudaDeviceGetByPCIBusId(&peer, receiver.pci_bus_id.c_str()) != cudaSuccess) {
       (void)cudaGetLastError();  // the receiver's GPU is not visible here; IPC may still map it
       peer = -1;
     }
@@ -856,7 +612,7 @@ IpcRingSender::IpcRingSender(int device, const std::string& receiver_handles, st
                  "device " + std::to_string(device_) + " -> " + std::to_string(peer));
       if (!can_access) {
         throw ChannelError(error_prefix_ + ": device " + std::to_string(device_) + " cannot access peer device " +
-                           std::to_string(peer) + " (" + pci_bus_id_ +
+                           std::to_string(peer) + " (" + receiver.pci_bus_id +
                            ") directly, so CUDA IPC cannot connect them; use the host transport");
       }
       const cudaError_t error = cudaDeviceEnablePeerAccess(peer, 0);
@@ -867,11 +623,11 @@ IpcRingSender::IpcRingSender(int device, const std::string& receiver_handles, st
                    "device " + std::to_string(device_) + " -> " + std::to_string(peer));
       }
     }
-    check_cuda(cudaIpcOpenMemHandle(&flags_, handle_at(receiver_handles, kOffFlagsHandle),
+    check_cuda(cudaIpcOpenMemHandle(&flags_, cuda_handle(protocol_.receiver().flags_handle),
                                     cudaIpcMemLazyEnablePeerAccess),
                error_prefix_, "cudaIpcOpenMemHandle",
-               "ring flags of pid " + std::to_string(owner_pid_) + " on " + pci_bus_id_);
-    map_generation(info, receiver_handles);
+               "ring flags of pid " + std::to_string(receiver.owner_pid) + " on " + receiver.pci_bus_id);
+    map_generation(protocol_.receiver());
   } catch (...) {
     release_all();
     throw;
@@ -881,17 +637,17 @@ IpcRingSender::IpcRingSender(int device, const std::string& receiver_handles, st
 IpcRingSender::~IpcRingSender() { release_all(); }
 
 void IpcRingSender::release_all() noexcept {
-  if (abandoned_ || (flags_ == nullptr && generations_.empty())) return;
+  if (abandoned_ || (flags_ == nullptr && mapped_generations_.empty())) return;
   // Sends still queued may touch any mapping: release_after_sync lets them finish first.
   release_after_sync(device_, [&] { close_mappings(); });
 }
 
 void IpcRingSender::close_mappings() noexcept {
   unmap_retired_allocations(/*all=*/true);
-  for (Generation& generation : generations_) peer_mappings().release(generation.base);
+  for (MappedGeneration& generation : mapped_generations_) peer_mappings().release(generation.base);
   for (PeerAllocation& allocation : peer_allocations_) peer_mappings().release(allocation.base);
   if (flags_ != nullptr) (void)cudaIpcCloseMemHandle(flags_);
-  generations_.clear();
+  mapped_generations_.clear();
   peer_allocations_.clear();
   flags_ = nullptr;
 }
@@ -905,10 +661,10 @@ bool IpcRingSender::unmap_when_done(std::chrono::microseconds patience) noexcept
   }
   std::vector<cudaEvent_t> fences;
   bool done = true;
-  for (cudaStream_t stream : send_streams_) {
+  for (ipc::StreamId stream : protocol_.send_streams()) {
     cudaEvent_t fence = nullptr;
     if (cudaEventCreateWithFlags(&fence, cudaEventDisableTiming) != cudaSuccess ||
-        cudaEventRecord(fence, stream) != cudaSuccess) {
+        cudaEventRecord(fence, cuda_stream(stream)) != cudaSuccess) {
       if (fence != nullptr) (void)cudaEventDestroy(fence);
       done = false;
       break;
@@ -973,143 +729,88 @@ bool IpcRingSender::can_map(const cudaIpcMemHandle_t& handle) {
   return map_peer_allocation(handle) != nullptr;
 }
 
-void IpcRingSender::retire(char* base, const std::vector<cudaStream_t>& streams) {
+void IpcRingSender::retire(char* base, const std::vector<ipc::StreamId>& streams) {
   RetiredAllocation retired{base, {}};
-  for (cudaStream_t stream : streams) {
+  for (ipc::StreamId stream : streams) {
     cudaEvent_t fence = nullptr;
     check_cuda(cudaEventCreateWithFlags(&fence, cudaEventDisableTiming), error_prefix_, "cudaEventCreateWithFlags",
                "unmap fence");
     retired.fences.push_back(fence);
-    check_cuda(cudaEventRecord(fence, stream), error_prefix_, "cudaEventRecord", "unmap fence");
+    check_cuda(cudaEventRecord(fence, cuda_stream(stream)), error_prefix_, "cudaEventRecord", "unmap fence");
   }
   retired_allocations_.push_back(std::move(retired));
 }
 
-void IpcRingSender::retire_superseded() {
-  for (const Generation& generation : take_superseded(generations_, next_seq_)) retire(generation.base, generation.writers);
+void IpcRingSender::retire_unreachable_generations() {
+  for (const ipc::Generation& generation : protocol_.take_unreachable_generations()) {
+    const auto mapped = record_of(mapped_generations_, generation.number);
+    retire(mapped->base, generation.streams);
+    mapped_generations_.erase(mapped);
+  }
   unmap_retired_allocations(/*all=*/false);
 }
 
-void IpcRingSender::map_generation(const IpcRingHandleInfo& info, const std::string& handles) {
-  auto* base = static_cast<char*>(peer_mappings().acquire(handle_at(handles, kOffDataHandle)));
+void IpcRingSender::map_generation(const ipc::HandleBlob& blob) {
+  auto* base = static_cast<char*>(peer_mappings().acquire(cuda_handle(blob.data_handle)));
   if (base == nullptr) {
     throw ChannelError(error_prefix_ + ": cudaIpcOpenMemHandle failed (ring data generation " +
-                       std::to_string(info.generation) + " of pid " + std::to_string(owner_pid_) + " on " +
-                       pci_bus_id_ + ")");
+                       std::to_string(blob.info.generation) + " of pid " +
+                       std::to_string(protocol_.receiver().info.owner_pid) + " on " +
+                       protocol_.receiver().info.pci_bus_id + ")");
   }
-  const size_t offset = static_cast<size_t>(get<uint64_t>(handles, kOffDataOffset));
-  generations_.push_back({info.generation, info.first_seq, static_cast<size_t>(info.slot_bytes), base, base + offset, {}});
-  known_generations_.push_back(info.generation);
-}
-
-size_t IpcRingSender::slot_bytes() const {
-  return generation_holding(generations_, next_seq_, error_prefix_)->slot_bytes;
-}
-
-uint32_t IpcRingSender::generation() const {
-  return generation_holding(generations_, next_seq_, error_prefix_)->generation;
+  mapped_generations_.push_back({blob.info.generation, base, base + blob.data_offset});
+  protocol_.add_generation(blob.info);
 }
 
 void IpcRingSender::update(const std::string& handles) {
-  IpcRingHandleInfo info;
-  try {
-    info = parse_ipc_ring_handles(handles);
-  } catch (const ProtocolError& error) {
-    throw ProtocolError(error_prefix_ + ": update: " + error.what());
-  }
-  if (info.pci_bus_id != pci_bus_id_ || info.owner_pid != owner_pid_ || info.num_slots != num_slots_ ||
-      handles.compare(kOffFlagsHandle, sizeof(cudaIpcMemHandle_t), flags_handle_bytes_) != 0) {
-    throw ProtocolError(error_prefix_ + ": update: handles of another receiver (pid " +
-                        std::to_string(info.owner_pid) + " on " + info.pci_bus_id + ", " +
-                        std::to_string(info.num_slots) + " slots; connected to pid " + std::to_string(owner_pid_) +
-                        " on " + pci_bus_id_ + ", " + std::to_string(num_slots_) + " slots)");
-  }
-  if (std::find(known_generations_.begin(), known_generations_.end(), info.generation) != known_generations_.end()) {
-    return;
-  }
-  if (info.first_seq < next_seq_) {
-    throw ProtocolError(error_prefix_ + ": update: data generation " + std::to_string(info.generation) +
-                        " starts at message " + std::to_string(info.first_seq) + ", but message " +
-                        std::to_string(next_seq_ - 1) +
-                        " was already sent; the receiver must resize() for a message the sender has not sent");
-  }
+  const std::optional<ipc::HandleBlob> blob = protocol_.new_generation(handles);
+  if (!blob) return;
   DeviceGuard guard(device_, error_prefix_);
-  map_generation(info, handles);
+  map_generation(*blob);
 }
 
 void IpcRingSender::enqueue_send(uint64_t seq, const CopyRegion* regions, size_t count, cudaStream_t stream) {
-  check_next_seq(seq, next_seq_, error_prefix_, "enqueue_send");
-  Generation& generation = *generation_holding(generations_, seq, error_prefix_);
-  check_regions(regions, count, generation.slot_bytes, generation.generation, seq, error_prefix_);
+  const ipc::SendPlan plan = protocol_.plan_send(seq, regions, count, stream);
   const DriverApi& api = driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
-
-  const SlotPosition position = slot_position(flags_, num_slots_, seq);
-  char* slot_data = static_cast<char*>(generation.data) + size_t{position.slot} * generation.slot_bytes;
-  // Built only on failure: this is the per-message hot path.
-  const auto what = [&] { return position.describe(seq); };
-
+  char* slot = record_of(mapped_generations_, plan.step.target.generation)->data + plan.step.target.offset;
   // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
-  SlotHistory& history = slot_history_[position.slot];
-  Step step = copy_step(regions, count, slot_data, /*into_slot=*/true, {position.ready, position.round, "ready"});
-  if (history.slot_round > 0) step.wait(position.ack, history.slot_round, "ack");  // the last occupant copied out
-  // After a direct message on another stream, that message's ready write must land first.
-  if (seq >= num_slots_ && history.slot_round != position.round - 1 && history.stream != stream) {
-    step.wait(position.ready, position.round - 1, "ready of the slot's previous message");
-  }
-  enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "into the peer slot, " + what(); });
-  history.slot_round = position.round;
-  history.stream = stream;
-  remember(generation.writers, stream);
-  remember(send_streams_, stream);
-  ++next_seq_;
-  if (generations_.size() > 1) retire_superseded();
+  // The description is built only on failure: this is the per-message hot path.
+  enqueue_step(plan.step, slot, flags_, sm_max_bytes_, stream, api, error_prefix_,
+               [&] { return plan.describe(); });
+  finish_send(plan);
 }
 
 bool IpcRingSender::enqueue_send_direct(uint64_t seq, uint64_t post, const cudaIpcMemHandle_t& handle,
                                         size_t offset, size_t capacity, const CopyRegion* regions, size_t count,
                                         cudaStream_t stream, bool posted_passed) {
-  check_next_seq(seq, next_seq_, error_prefix_, "enqueue_send_direct");
-  check_regions(regions, count, capacity, 0, seq, error_prefix_);
+  const ipc::SendPlan plan =
+      protocol_.plan_send_direct(seq, post, offset, capacity, regions, count, stream, posted_passed);
   const DriverApi& api = driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
   PeerAllocation* allocation = map_peer_allocation(handle);
   if (allocation == nullptr) return false;
   allocation->last_use = ++allocation_uses_;
-  remember(allocation->streams, stream);
-
-  const SlotPosition position = slot_position(flags_, num_slots_, seq);
-  char* buffer = allocation->base + offset;
-  // Built only on failure: this is the per-message hot path.
-  const auto what = [&] { return position.describe(seq) + ", post " + std::to_string(post); };
-
+  ipc::remember_stream(allocation->streams, stream);
   // From here on a failure leaves a half-enqueued message: the ring is unusable afterwards.
-  SlotHistory& history = slot_history_[position.slot];
-  Step step = copy_step(regions, count, buffer, /*into_slot=*/true, {position.ready, position.round, "ready"});
-  // ready[slot] rises in message order: on one stream by itself, across streams after this wait.
-  if (seq >= num_slots_ && history.stream != stream) {
-    step.wait(position.ready, position.round - 1, "ready of the slot's previous message");
-  }
-  // The receiver's stream has passed the buffer's allocation: nothing of its own still uses that memory.
-  if (!posted_passed) step.wait(posted_counter(flags_, num_slots_), static_cast<uint32_t>(post + 1), "posted");
-  enqueue_step(step, sm_max_bytes_, stream, api, error_prefix_, [&] { return "into the posted buffer, " + what(); });
-  history.stream = stream;
-  remember(send_streams_, stream);
-  ++next_seq_;
-  if (generations_.size() > 1) retire_superseded();
+  enqueue_step(plan.step, allocation->base + plan.step.target.offset, flags_, sm_max_bytes_, stream, api,
+               error_prefix_, [&] { return plan.describe(); });
+  finish_send(plan);
   return true;
 }
 
+void IpcRingSender::finish_send(const ipc::SendPlan& plan) {
+  protocol_.sent(plan);
+  if (protocol_.generations().size() > 1) retire_unreachable_generations();
+}
+
 void IpcRingSender::enqueue_wait_consumed(uint64_t seq, cudaStream_t stream) {
-  if (seq >= next_seq_) {
-    throw ProtocolError(error_prefix_ + ": enqueue_wait_consumed(" + std::to_string(seq) +
-                        "): that message was not sent yet (next is " + std::to_string(next_seq_) + ")");
-  }
+  const ipc::CounterValue ack = protocol_.consumed(seq);
   const DriverApi& api = driver_api(error_prefix_);
   DeviceGuard guard(device_, error_prefix_);
-  const SlotPosition position = slot_position(flags_, num_slots_, seq);
-  check_driver(api.wait_value32(stream, device_address(position.ack), position.round, CU_STREAM_WAIT_VALUE_GEQ), api,
-               error_prefix_, "cuStreamWaitValue32", "ack, " + position.describe(seq));
+  check_driver(api.wait_value32(stream, device_address(counter_address(flags_, ack)), ack.value,
+                                CU_STREAM_WAIT_VALUE_GEQ),
+               api, error_prefix_, "cuStreamWaitValue32", "ack, " + ipc::describe_message(seq, num_slots()));
 }
 
 }  // namespace pipecomm::transport

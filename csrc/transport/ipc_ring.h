@@ -3,38 +3,16 @@
 // driver's stream memory operations are reached through cudaGetDriverEntryPoint*, so nothing links
 // libcuda directly.
 //
-// The receiver owns, on its device, one flags allocation (ready[K] and ack[K] uint32 counters and one
-// `posted` counter, each in its own 64-byte line, zeroed once and never reallocated) and one data
-// allocation of K slots per generation. Both are exported with cudaIpcGetMemHandle;
-// export_handles()/resize() serialize them and the layer above carries the bytes to the sender (job
-// store, host channel).
-//
-// Generations: each starts at a message seq (first_seq). Message seq lives in the generation with the
-// largest first_seq <= seq, the newer one on a tie; both ends apply that rule, so a generation made
-// for a later message (a shrink, which must start beyond anything the sender may already have
-// enqueued) and one made meanwhile for an earlier message (a grow) can coexist. A generation that no
-// message from an end's next seq on can reach is given back at once: the sender unmaps it once its
-// copies into it are done, the receiver hands it back to its allocator with the streams that read it
-// (the sender's writes precede those reads).
-//
-// Message seq (0, 1, 2, ... per direction) uses slot = seq % K and round = seq / K + 1 (uint32, compared
-// wrap-safely by the GPU). Everything is stream-ordered, the host never blocks. The slot path:
-//   sender:   wait ack[slot] >= round - 1; copy regions into the peer slot; write ready[slot] = round
-//   receiver: wait ready[slot] >= round;   copy regions out of the slot;    write ack[slot] = round
-// (round - 1 when the slot's previous message also went by slot; see below for the general rule).
-//
-// Direct path ("posted receive"): the receiver may also offer, ahead of time, a destination buffer for
-// message seq anywhere in an IPC-exportable allocation of its own (export_pointer()). Its posts are
-// numbered 0, 1, 2, ... (more than one may name the same message, e.g. after a layout change); for
-// post p it enqueues posted = p + 1 on the stream it allocated the buffer on, and passes p, handle
-// and offset to the sender out of band. Then:
-//   sender:   wait posted >= p + 1; copy regions into the buffer; write ready[slot] = round
-//   receiver: wait ready[slot] >= round
-// A direct message uses no slot data, so it is never acknowledged: the sender remembers per slot
-// the round of its last slot-path message and waits for that ack before reusing the slot's data.
-// ready[slot] must still rise in message order: when a slot's previous message was enqueued on
-// another stream, a send first waits ready[slot] >= round - 1 (or, after a slot-path message, the
-// ack, as above). In a steady stream on one stream the direct path thus costs one wait and one write.
+// The protocol (slots, rounds, generations, the direct path, posts) is ipc_protocol.h's: it plans every
+// step, and these classes carry the steps out on the device. The receiver's flags allocation (zeroed
+// once, never reallocated) and its data generations live in device memory of its GPU and are exported
+// with cudaIpcGetMemHandle; export_handles()/resize() serialize them, the layer above carries the bytes
+// to the sender (job store, host channel), and the sender maps them with cudaIpcOpenMemHandle. A step's
+// waits and writes are stream memory operations (batched into one driver call when a step has two or
+// more), its copies one cudaMemcpyAsync per region; the default flags of a memory write put a barrier
+// before it, so the data is visible before the flag. A superseded generation goes back to the
+// GenerationAllocator with the streams that read it; the sender unmaps one behind events recorded on
+// the streams that wrote it.
 //
 // Peer death: a stream waiting on a flag that a dead peer will never write never completes, and
 // neither does anything queued behind it (nor cudaDeviceSynchronize, nor the destructors below, which
@@ -60,35 +38,9 @@
 #include <string>
 #include <vector>
 
+#include "ipc_protocol.h"  // CopyRegion, round_slot_bytes, IpcRingHandleInfo, parse_ipc_ring_handles
+
 namespace pipecomm::transport {
-
-// One contiguous piece of a message. `local` is a device pointer of the calling process on the
-// calling end's device; `slot_offset` is where the piece lives inside the slot.
-struct CopyRegion {
-  void* local;
-  size_t slot_offset;
-  size_t bytes;
-};
-
-// Slot sizes are rounded up to a multiple of this.
-inline constexpr size_t kIpcSlotAlignment = 256;
-
-// The slot size a request of `bytes` gets (at least one alignment unit); ProtocolError, starting with
-// prefix, when it overflows.
-size_t round_slot_bytes(size_t bytes, const std::string& prefix);
-
-// What a serialized handle blob says (export_handles()/grow() output), for checks and diagnostics.
-struct IpcRingHandleInfo {
-  std::string pci_bus_id;  // of the receiver's device, e.g. "0000:1B:00.0"
-  int32_t owner_pid = 0;
-  uint32_t num_slots = 0;
-  uint64_t slot_bytes = 0;
-  uint32_t generation = 0;
-  uint64_t first_seq = 0;  // first message seq that uses this data generation
-};
-
-// Parses a blob; throws ProtocolError when it is not one.
-IpcRingHandleInfo parse_ipc_ring_handles(const std::string& handles);
 
 // Where a receiver's data generations come from. A caching allocator (torch's) lets a generation go
 // back without cudaFree, which may synchronize the device: a hang while a stream waits on a peer.
@@ -155,9 +107,7 @@ class IpcRingReceiver {
   // How many posts (0 .. n - 1) have their counter write ordered before whatever is enqueued next
   // on `stream`: all of them on the stream of the last post (earlier posts' streams are chained to
   // it), none elsewhere.
-  uint64_t posts_ordered_before(cudaStream_t stream) const {
-    return posted_before_ && stream == last_post_stream_ ? written_posts_ : 0;
-  }
+  uint64_t posts_ordered_before(cudaStream_t stream) const { return protocol_.posts_ordered_before(stream); }
 
   // Enqueues on `stream` (the one post's buffer was allocated on) posted = post + 1, after
   // everything earlier posts' streams had reached: the counter then only grows on the device,
@@ -167,58 +117,46 @@ class IpcRingReceiver {
   void enqueue_post(uint64_t post, cudaStream_t stream);
 
   int device() const { return device_; }
-  uint32_t num_slots() const { return num_slots_; }
+  uint32_t num_slots() const { return protocol_.num_slots(); }
   // Of the generation that messages from now on end up in (the largest first_seq).
-  size_t slot_bytes() const { return latest().slot_bytes; }
-  uint32_t generation() const { return latest().generation; }
+  size_t slot_bytes() const { return protocol_.generations().latest().slot_bytes; }
+  uint32_t generation() const { return protocol_.generations().latest().number; }
   // Data generations allocated now, given-back ones excluded.
-  size_t live_generations() const { return generations_.size(); }
-  uint64_t next_seq() const { return next_seq_; }
+  size_t live_generations() const { return protocol_.generations().size(); }
+  uint64_t next_seq() const { return protocol_.next_seq(); }
 
  private:
-  struct Generation {
+  // The device memory of a data generation (the protocol knows the rest of it).
+  struct GenerationMemory {
     uint32_t generation;
-    uint64_t first_seq;
-    size_t slot_bytes;
     void* data;
     cudaIpcMemHandle_t handle;
     size_t offset;  // of data in the allocation `handle` names
     bool from_allocator;
-    std::vector<cudaStream_t> readers;
   };
   struct ExportedAllocation {
     unsigned long long buffer_id;
     uintptr_t base;
     cudaIpcMemHandle_t handle;
   };
-  void add_generation(size_t slot_bytes, uint64_t first_seq);
-  void check_not_received(uint64_t first_seq) const;
-  const Generation& latest() const;
-  void give_back_superseded() noexcept;
-  void write_deferred_post();
-  // The posted value to write ahead of a receive on `stream` (0: none owed there).
-  uint32_t take_deferred_post(cudaStream_t stream);
-  std::string serialize(const Generation& generation) const;
+  void add_generation(const ipc::NewGeneration& generation);
+  void enqueue_receive_plan(const ipc::ReceivePlan& plan);
+  void enqueue_post_write(const ipc::PostWrite& write);
+  void give_back_unreachable() noexcept;
+  std::string serialize(const ipc::Generation& generation) const;
   void release_all() noexcept;
 
   int device_;
-  uint32_t num_slots_;
   std::string error_prefix_;
   std::unique_ptr<GenerationAllocator> allocator_;
-  std::vector<void*> superseded_owned_;  // cudaMalloc'd generations no message uses, freed at destruction
   size_t sm_max_bytes_;
+  ipc::ReceiverProtocol protocol_;
+  std::vector<void*> superseded_owned_;  // cudaMalloc'd generations no message uses, freed at destruction
   std::string pci_bus_id_;
   void* flags_ = nullptr;
   cudaIpcMemHandle_t flags_handle_{};
-  std::vector<Generation> generations_;
-  uint32_t next_generation_ = 0;
-  uint64_t next_seq_ = 0;
+  std::vector<GenerationMemory> memory_;  // of every generation in protocol_.generations()
   std::vector<ExportedAllocation> exported_;
-  uint64_t next_post_ = 0;
-  uint64_t written_posts_ = 0;  // the posted value last enqueued
-  bool post_deferred_ = false;  // next_post_ is yet to be written
-  bool posted_before_ = false;
-  cudaStream_t last_post_stream_ = nullptr;
   cudaEvent_t post_fence_ = nullptr;
   bool abandoned_ = false;
 };
@@ -234,9 +172,9 @@ class IpcRingSender {
   IpcRingSender(const IpcRingSender&) = delete;
   IpcRingSender& operator=(const IpcRingSender&) = delete;
 
-  // Maps another data generation (resize() output of the same receiver); messages go by the rule
-  // above. Throws ProtocolError if this sender already enqueued first_seq, or the blob is of another
-  // receiver. A generation seen before is ignored.
+  // Maps another data generation (resize() output of the same receiver); messages go by the
+  // generation rule of ipc_protocol.h. Throws ProtocolError if this sender already enqueued first_seq,
+  // or the blob is of another receiver. A generation seen before is ignored.
   void update(const std::string& handles);
 
   // Enqueues on `stream` (of this end's device): wait for the ack of the slot's last slot-path
@@ -281,20 +219,18 @@ class IpcRingSender {
   int device() const { return device_; }
   int peer_device() const { return peer_device_; }  // -1 when not visible in this process
   size_t mapped_peer_allocations() const { return peer_allocations_.size(); }
-  uint32_t num_slots() const { return num_slots_; }
+  uint32_t num_slots() const { return protocol_.num_slots(); }
   // Slot size of the generation that message next_seq() goes to.
-  size_t slot_bytes() const;
-  uint32_t generation() const;
-  uint64_t next_seq() const { return next_seq_; }
+  size_t slot_bytes() const { return protocol_.next_generation().slot_bytes; }
+  uint32_t generation() const { return protocol_.next_generation().number; }
+  uint64_t next_seq() const { return protocol_.next_seq(); }
 
  private:
-  struct Generation {
+  // A data generation of the receiver, mapped in this process.
+  struct MappedGeneration {
     uint32_t generation;
-    uint64_t first_seq;
-    size_t slot_bytes;
-    char* base;  // the receiver's allocation, mapped in this process
+    char* base;  // the receiver's allocation
     char* data;  // base + the generation's offset
-    std::vector<cudaStream_t> writers;
   };
   // A receiver allocation that posted buffers lie in, mapped here. Unmapping waits for every copy
   // into it, so it remembers the streams those ran on.
@@ -302,12 +238,7 @@ class IpcRingSender {
     cudaIpcMemHandle_t handle;
     char* base;
     uint64_t last_use;
-    std::vector<cudaStream_t> streams;
-  };
-  // What the next message in a slot must order itself after.
-  struct SlotHistory {
-    uint32_t slot_round = 0;  // round of the slot's last slot-path message; 0: none yet
-    cudaStream_t stream = nullptr;  // of the slot's last message (either path)
+    std::vector<ipc::StreamId> streams;
   };
   // Evicted from the mapping cache; unmapped once every fence has passed.
   struct RetiredAllocation {
@@ -315,9 +246,11 @@ class IpcRingSender {
     std::vector<cudaEvent_t> fences;
   };
   PeerAllocation* map_peer_allocation(const cudaIpcMemHandle_t& handle);
-  void map_generation(const IpcRingHandleInfo& info, const std::string& handles);
-  void retire(char* base, const std::vector<cudaStream_t>& streams);
-  void retire_superseded();
+  void map_generation(const ipc::HandleBlob& blob);
+  // Records the send once `plan` is enqueued; retires the generations no later send reaches.
+  void finish_send(const ipc::SendPlan& plan);
+  void retire(char* base, const std::vector<ipc::StreamId>& streams);
+  void retire_unreachable_generations();
   void unmap_retired_allocations(bool all) noexcept;
   // Closes every mapping of the receiver's memory; its copies must be done.
   void close_mappings() noexcept;
@@ -326,17 +259,10 @@ class IpcRingSender {
   int device_;
   std::string error_prefix_;
   size_t sm_max_bytes_;
-  std::string pci_bus_id_;
-  int32_t owner_pid_ = 0;
+  ipc::SenderProtocol protocol_;
   int peer_device_ = -1;
-  uint32_t num_slots_ = 0;
-  std::string flags_handle_bytes_;
   void* flags_ = nullptr;  // mapped in this process
-  std::vector<Generation> generations_;
-  std::vector<uint32_t> known_generations_;  // every generation number mapped so far
-  uint64_t next_seq_ = 0;
-  std::vector<SlotHistory> slot_history_;
-  std::vector<cudaStream_t> send_streams_;  // every stream a send was enqueued on
+  std::vector<MappedGeneration> mapped_generations_;  // of every generation in protocol_.generations()
   std::vector<PeerAllocation> peer_allocations_;
   std::vector<RetiredAllocation> retired_allocations_;
   uint64_t allocation_uses_ = 0;

@@ -7,7 +7,7 @@
 
 #include <cstring>
 
-#include "shm_ring.h"
+#include "errors.h"
 
 namespace py = pybind11;
 

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "../op_checks.h"
+#include "errors.h"
 #include "message.h"
-#include "shm_ring.h"
 
 namespace py = pybind11;
 

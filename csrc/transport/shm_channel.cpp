@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../pack_plan.h"
+#include "errors.h"
 #include "message.h"
 #include "shm_ring.h"
 

@@ -9,35 +9,13 @@
 #include <functional>
 #include <cstdint>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "../pack_alignment.h"
+#include "errors.h"
 
 namespace pipecomm::transport {
-
-// Base of every channel failure, so bindings can map the whole family at once.
-class ChannelError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-class TimeoutError : public ChannelError {
- public:
-  using ChannelError::ChannelError;
-};
-
-class PeerDiedError : public ChannelError {
- public:
-  using ChannelError::ChannelError;
-};
-
-// Misuse or a peer that broke the protocol: closed peer, out-of-order release, bad header.
-class ProtocolError : public ChannelError {
- public:
-  using ChannelError::ChannelError;
-};
 
 // Both sides pass the same name; the receiver's num_slots and slot_bytes win, the sender adopts them.
 struct RingConfig {

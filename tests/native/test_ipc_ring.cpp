@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#include "../../csrc/transport/shm_ring.h"
+#include "../../csrc/transport/errors.h"
 
 namespace {
 
