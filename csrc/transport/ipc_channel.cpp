@@ -502,8 +502,7 @@ class IpcChannel {
     try {
       answer = receiver_.grow(request.slot_bytes, request.first_seq);
     } catch (const std::exception& error) {
-      const GrowRefusal refusal{request};
-      answer.assign(reinterpret_cast<const char*>(&refusal), sizeof(refusal));
+      answer.assign(reinterpret_cast<const char*>(&request), sizeof(request));
       answer.append(std::string(error.what()).substr(0, kRefusalReasonBytes));
       tag = kTagGrowRefused;
     }

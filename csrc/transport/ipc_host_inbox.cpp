@@ -94,8 +94,9 @@ void HostInbox::answer_requests(const GrowAnswer& answer) {
   }
 }
 
-// Control messages hold host slots the sender may be waiting for (a ring of one slot holds nothing
-// else while its grow request waits), so they go back as soon as nothing before them is held.
+// Control messages hold host slots the sender may be waiting for (with one slot, an answered request
+// kept until the next receive would keep out the very message it was for), so they go back as soon as
+// nothing before them is held.
 void HostInbox::release_done_control() {
   while (!entries_.empty() && entries_.front().is_control && entries_.front().done) {
     ring_.release(entries_.front().message.seq);

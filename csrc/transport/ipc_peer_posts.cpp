@@ -18,7 +18,7 @@ void PeerPosts::drain(uint64_t next_seq) {
     try {
       message = ring_.try_recv();
     } catch (const ChannelError&) {
-      // The peer closed or died; the data ring reports that, and nothing more will come.
+      // The peer closed or died: nothing more will come, and a send waiting for a grow learns why.
       failure_ = std::current_exception();
       direct_enabled_ = false;
       return;
@@ -28,11 +28,11 @@ void PeerPosts::drain(uint64_t next_seq) {
       const std::string handles(static_cast<const char*>(message->data), message->bytes);
       ring_.release(message->seq);
       adopt_generation_(handles);
-    } else if (message->tag == kTagGrowRefused && message->bytes >= sizeof(GrowRefusal)) {
+    } else if (message->tag == kTagGrowRefused && message->bytes >= sizeof(GrowRequest)) {
       refusal_.emplace();
-      std::memcpy(&*refusal_, message->data, sizeof(GrowRefusal));
-      refusal_reason_.assign(static_cast<const char*>(message->data) + sizeof(GrowRefusal),
-                             message->bytes - sizeof(GrowRefusal));
+      std::memcpy(&*refusal_, message->data, sizeof(GrowRequest));
+      refusal_reason_.assign(static_cast<const char*>(message->data) + sizeof(GrowRequest),
+                             message->bytes - sizeof(GrowRequest));
       ring_.release(message->seq);
     } else if (message->tag == kTagPost && message->bytes == sizeof(PostRecord)) {
       PostRecord record;
@@ -57,8 +57,7 @@ std::optional<PostRecord> PeerPosts::post_for_next_message(uint64_t seq, uint64_
 }
 
 std::optional<std::string> PeerPosts::refusal_of(const GrowRequest& request) const {
-  if (!refusal_ || refusal_->request.first_seq != request.first_seq ||
-      refusal_->request.slot_bytes != request.slot_bytes) {
+  if (!refusal_ || refusal_->first_seq != request.first_seq || refusal_->slot_bytes != request.slot_bytes) {
     return std::nullopt;
   }
   return refusal_reason_;

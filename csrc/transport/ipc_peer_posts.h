@@ -56,7 +56,7 @@ class PeerPosts {
   std::string direction_;
   AdoptGeneration adopt_generation_;
   std::vector<PostRecord> posts_;
-  std::optional<GrowRefusal> refusal_;
+  std::optional<GrowRequest> refusal_;  // the request the last refusal answered, and why
   std::string refusal_reason_;
   std::exception_ptr failure_;
   uint64_t posts_passed_ = 0;

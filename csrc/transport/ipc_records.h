@@ -32,19 +32,15 @@ struct DataNote {
 };
 
 // On the host ring: the sender needs slots of at least slot_bytes for message first_seq on. The
-// receiver answers on the post ring with the grown generation's handles, or with a GrowRefusal.
+// receiver answers on the post ring with the grown generation's handles or, when it cannot grow them,
+// with a refusal: this request again, then the reason as text.
 struct GrowRequest {
   uint64_t slot_bytes;
   uint64_t first_seq;
 };
 
-// On the post ring, followed by the reason as text: the request it answers could not be granted.
-struct GrowRefusal {
-  GrowRequest request;
-};
-
 static_assert(std::is_trivially_copyable_v<PostRecord> && std::is_trivially_copyable_v<DataNote> &&
-                  std::is_trivially_copyable_v<GrowRequest> && std::is_trivially_copyable_v<GrowRefusal>,
+                  std::is_trivially_copyable_v<GrowRequest>,
               "ring records are copied as bytes");
 
 }  // namespace pipecomm::transport

@@ -14,6 +14,6 @@ constexpr uint32_t kTagGrow = 7;        // the IPC channel's request for bigger 
 // The IPC channel's post ring, which runs from the data's receiver back to its sender.
 constexpr uint32_t kTagPost = 4;         // a buffer offered for one message (a PostRecord)
 constexpr uint32_t kTagGeneration = 5;   // handles of a resized data generation: a shrink, or a grow's answer
-constexpr uint32_t kTagGrowRefused = 8;  // why a grow could not be answered (a GrowRefusal, then the reason)
+constexpr uint32_t kTagGrowRefused = 8;  // a grow that could not be answered: its GrowRequest, then why
 
 }  // namespace pipecomm::transport

@@ -39,9 +39,8 @@ struct PostRing {
   }
   void generation(const std::string& handles) { sender.send_bytes(handles.data(), handles.size(), kTagGeneration); }
   void refuse(const GrowRequest& request, const std::string& reason) {
-    std::string payload(sizeof(GrowRefusal), '\0');
-    const GrowRefusal refusal{request};
-    std::memcpy(payload.data(), &refusal, sizeof(refusal));
+    std::string payload(sizeof(request), '\0');
+    std::memcpy(payload.data(), &request, sizeof(request));
     payload += reason;
     sender.send_bytes(payload.data(), payload.size(), kTagGrowRefused);
   }
