@@ -597,3 +597,38 @@ def test_ipc_both_ranks_send_bursts_before_receiving(tmp_path):
     results = run_ranks(2, ipc_both_send_first, tmp_path, 5, 12, timeout=120)
     for sent, received in results:
         assert sent >= 8 and received >= 8, results
+
+
+def ipc_grows_across_two_channels(rank: int, world_size: int) -> list:
+    """Two channels between the ranks, as a pipeline's activations and gradients: every first message
+    in a direction needs the peer to grow its 4 KB slots while the peer waits on the other channel."""
+    peer = 1 - rank
+    device = rank_device(rank, "cuda")
+
+    def big(value: float) -> torch.Tensor:
+        return torch.full((1 << 18,), value, device=device)  # 1 MB
+
+    activations = transport.connect(peer, backend="ipc", device=device, timeout=20, slot_bytes=4096)
+    gradients = transport.connect(peer, backend="ipc", device=device, timeout=20, slot_bytes=4096)
+    with activations, gradients:
+        # Crossed grows: rank 0 waits for one on activations while rank 1 waits for one on gradients.
+        outgoing, incoming = (activations, gradients) if rank == 0 else (gradients, activations)
+        outgoing.send([big(rank)])
+        crossed = torch.equal(incoming.recv()[0], big(peer))
+        if rank == 0:
+            # A grow against a receive on the other channel: rank 1 waits on activations for what rank 0
+            # sends only once its gradients send has grown rank 1's slots.
+            gradients.send([big(2)])
+            activations.send([big(3)])
+            return [crossed, torch.equal(gradients.recv()[0], big(4))]
+        after_grow = torch.equal(activations.recv()[0], big(3))
+        grown = torch.equal(gradients.recv()[0], big(2))
+        gradients.send([big(4)])
+        return [crossed, after_grow, grown]
+
+
+@needs_cuda
+def test_ipc_grows_are_answered_across_a_pairs_two_channels(tmp_path):
+    # A grow waits for an answer the peer gives while it waits on its other channel: a wait that served
+    # only its own channel would time out here.
+    assert run_ranks(2, ipc_grows_across_two_channels, tmp_path, timeout=90) == [[True, True], [True, True, True]]

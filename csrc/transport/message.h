@@ -45,12 +45,4 @@ Entries allocate(const MessageMeta& meta, const at::Device& device);
 
 pybind11::tuple to_python(const Entries& entries);
 
-// Message kinds on a channel's host ring.
-constexpr uint32_t kTagMeta = 1;
-constexpr uint32_t kTagData = 2;
-constexpr uint32_t kTagDataDirect = 3;  // the IPC channel's data, already in a buffer the receiver posted
-constexpr uint32_t kTagPost = 4;        // the IPC channel's post ring: a buffer offered for one message
-constexpr uint32_t kTagGeneration = 5;  // the IPC channel's post ring: handles of a resized data generation
-constexpr uint32_t kTagUnmapped = 6;    // the IPC channel's last note: the sender unmapped the receiver's memory
-
 }  // namespace pipecomm::transport

@@ -8,6 +8,7 @@
 #include "../pack_plan.h"
 #include "errors.h"
 #include "message.h"
+#include "ring_tags.h"
 #include "shm_ring.h"
 
 namespace pipecomm::transport {
