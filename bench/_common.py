@@ -179,9 +179,11 @@ def init_rank_group(rank: int, world_size: int, store_port: int, backend: str, t
     return store
 
 
-def start_rank(rank: int, world_size: int, store_port: int, smoke: bool, timeout: float) -> tuple[torch.device, Any]:
-    """A bench rank's setup: NVLink multicast off, its GPU (the CPU in smoke runs) and the process
-    group (NCCL, gloo in smoke runs). Returns the device and the shared store."""
+def start_rank(rank: int, world_size: int, store_port: int, smoke: bool, timeout: float,
+               share_gpu: bool = False) -> tuple[torch.device, Any]:
+    """A bench rank's setup: NVLink multicast off, its GPU (the CPU in smoke runs; cuda:0 for every rank with
+    ``share_gpu``) and the process group (NCCL; gloo in smoke runs and on a shared GPU, where NCCL cannot put
+    two ranks). Returns the device and the shared store."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # as in scripts/gpu_check.sh; before NCCL starts
     # Eager init (device_id) runs unbatched send/recv on the group's one communicator, serialized with
     # its other ops; the ranks here issue them in one order anyway, so the per-process warning is noise.
@@ -190,9 +192,10 @@ def start_rank(rank: int, world_size: int, store_port: int, smoke: bool, timeout
         torch.set_num_threads(1)  # several ranks on a small machine
         device = torch.device("cpu")
     else:
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    store = init_rank_group(rank, world_size, store_port, "gloo" if smoke else "nccl", timeout, device)
+        device = torch.device("cuda", 0 if share_gpu else rank)
+        torch.cuda.set_device(device)
+    backend = "gloo" if smoke or share_gpu else "nccl"
+    store = init_rank_group(rank, world_size, store_port, backend, timeout, device if backend == "nccl" else None)
     return device, store
 
 

@@ -32,7 +32,7 @@ def run_rank(rank: int, world_size: int, store_port: int, report, options: dict[
 
     import pipecomm.transport as transport
 
-    device, store = start_rank(rank, world_size, store_port, options["smoke"], options["timeout"])
+    device, store = start_rank(rank, world_size, store_port, options["smoke"], options["timeout"], options["share_gpu"])
     backend = "shm" if options["smoke"] else "ipc"
     results = {}
     for label, total_bytes, count in MESSAGES:
@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--per-round", type=int, default=48, help="messages per round (less than --slots)")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--smoke", action="store_true", help="shared memory between CPU processes")
+    parser.add_argument("--share-gpu", action="store_true", help="both ranks on cuda:0 (one GPU), over CUDA IPC")
     parser.add_argument("--json", help="also write the numbers to this JSON file")
     args = parser.parse_args()
     if args.per_round >= args.slots or args.rounds < 3:

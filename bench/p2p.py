@@ -123,7 +123,7 @@ class RankContext:
 
     def all_reduce(self, value: float, op: str) -> float:
         reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(tensor, op=reduce_op)
         return float(tensor.item())
 
@@ -354,7 +354,7 @@ def peer_copy(ctx: RankContext, nbytes: int, raw: bool) -> list[float] | None:
     ~64 MB. Smoke runs copy CPU to CPU so the table code has a number.
     """
     args = ctx.args
-    destination_device = torch.device("cuda", 1) if ctx.cuda else ctx.device
+    destination_device = torch.device("cuda", 1) if ctx.cuda and not args.share_gpu else ctx.device
     source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=ctx.device)
     destination = torch.empty(nbytes, dtype=torch.uint8, device=destination_device)
     copy: Callable[[], object] = lambda: destination.copy_(source, non_blocking=True)  # noqa: E731
@@ -616,9 +616,9 @@ def gpu_link() -> str | None:
 
 def rank_environment(ctx: RankContext, backend: str | None, channel_error: str | None) -> dict[str, Any]:
     env = environment(ctx.device)
-    env["ranks"] = f"{WORLD_SIZE} processes, rank r on {'cuda:r' if ctx.cuda else 'cpu'}"
+    env["ranks"] = f"{WORLD_SIZE} processes, rank r on {ctx.device if ctx.args.share_gpu else 'cuda:r' if ctx.cuda else 'cpu'}"
     env["process_group"] = dist.get_backend()
-    if ctx.cuda:
+    if ctx.cuda and not ctx.args.share_gpu:
         env["card_1"] = torch.cuda.get_device_properties(1).name
         env["peer_access_0_to_1"] = torch.cuda.can_device_access_peer(0, 1)
         env["nvidia_smi_topo_gpu0_gpu1"] = gpu_link()
@@ -633,7 +633,7 @@ def rank_environment(ctx: RankContext, backend: str | None, channel_error: str |
 
 def run_rank(rank: int, world_size: int, store_port: int, report: Any, config: dict[str, Any]) -> dict[str, Any]:
     args = argparse.Namespace(**config)
-    device, store = start_rank(rank, world_size, store_port, args.smoke, args.timeout)
+    device, store = start_rank(rank, world_size, store_port, args.smoke, args.timeout, args.share_gpu)
     ctx = RankContext(rank, 1 - rank, device, store, Clock(device), args)
     torch.manual_seed(rank)
     ctx.sync()
@@ -651,7 +651,8 @@ def run_rank(rank: int, world_size: int, store_port: int, report: Any, config: d
     movers: dict[str, Mover] = {}
     if channel is not None:
         movers["pipecomm"] = PipecommMover(channel)
-    movers["nccl"] = DistMover(ctx.peer, batched=False)
+    if not args.share_gpu:  # NCCL cannot put two ranks on one GPU
+        movers["nccl"] = DistMover(ctx.peer, batched=False)
 
     for label, nbytes in args.size_list:
         ctx.log(f"one tensor of {label}")
@@ -667,7 +668,7 @@ def run_rank(rank: int, world_size: int, store_port: int, report: Any, config: d
         ctx.log(f"profiling the pipecomm ping-pong at {args.size_list[0][0]}")
         profile_ping_pong(ctx, movers["pipecomm"], args.size_list[0][1], args.profile)
 
-    tuple_movers = dict(movers, nccl_batch=DistMover(ctx.peer, batched=True))
+    tuple_movers = dict(movers) if args.share_gpu else dict(movers, nccl_batch=DistMover(ctx.peer, batched=True))
     for label, nbytes in args.tuple_list:
         ctx.log(f"8 mixed tensors, {label} in all")
         message = mixed_tensors(nbytes, device)
@@ -871,6 +872,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds before the ranks are killed")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny CPU run (gloo; pipecomm shm or dist) to check the flow; numbers mean nothing")
+    parser.add_argument("--share-gpu", action="store_true",
+                        help="both ranks on cuda:0 over CUDA IPC (one GPU): pipecomm alone, no NCCL and no GEMM phase; "
+                             "peer = a copy within that GPU")
     args = parser.parse_args(argv)
     if args.smoke:
         # Only options left at their defaults shrink, so a smoke run can still be steered.
@@ -885,6 +889,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.gemm_transfer_bytes = parse_size(args.gemm_transfer)
     except argparse.ArgumentTypeError as error:
         parser.error(str(error))
+    if args.share_gpu:
+        args.no_gemm = True  # the GEMM phase measures what a transfer costs another GPU's compute
     if min(args.iters, args.reps) < 1 or args.warmup < 0:
         parser.error("--iters and --reps must be >= 1, --warmup >= 0")
     return args
@@ -893,8 +899,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the ranks
-    if not args.smoke and not (torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE):
-        raise SystemExit(f"needs {WORLD_SIZE} CUDA devices (or --smoke on CPU)")
+    needed = 1 if args.share_gpu else WORLD_SIZE
+    if not args.smoke and not (torch.cuda.is_available() and torch.cuda.device_count() >= needed):
+        raise SystemExit(f"needs {WORLD_SIZE} CUDA devices (or --share-gpu on one, --smoke on CPU)")
     started = time.monotonic()
     outcomes = run_ranks(args)
     samples = {**outcomes[1]["samples"], **outcomes[0]["samples"]}
