@@ -591,7 +591,7 @@ def open_channel(ctx: RankContext) -> tuple[Any, str | None]:
     try:
         import pipecomm.transport as transport
 
-        channel = transport.connect(ctx.peer, backend=backend, timeout=float(ctx.args.timeout))
+        channel = transport.connect(ctx.peer, backend=backend, device=ctx.device, timeout=float(ctx.args.timeout))
     except Exception as exc:  # reported in the header; the rest of the run goes on without pipecomm
         error = f"{type(exc).__name__}: {exc}"
     if ctx.all_reduce(1.0 if channel is not None else 0.0, "min") < 1:
