@@ -9,7 +9,9 @@ processes.
 
 Then the two ranks play ping-pong with the same channel (rank 1 echoes what it receives): the one-way
 time, and each rank's host time in its send and in its recv, where the echoing rank's two calls follow
-each other on the path of every round trip.
+each other on the path of every round trip. Last, rank 1 echoes each message ``--late-ms`` after it
+arrived, so rank 0's receive sleeps that long: the round trip beyond the delay shows how soon a receive
+that slept notices its message.
 """
 
 from __future__ import annotations
@@ -60,10 +62,28 @@ def run_rank(rank: int, world_size: int, store_port: int, report, options: dict[
         phases = channel.host_phase_times()["send" if rank == 0 else "recv"] if backend == "ipc" else []
         results[label] = {"us": statistics.median(per_call[2:]), "rounds_us": per_call, "direct": direct[rank],
                           "phases_us": {name: total / calls for name, total, calls in phases if calls},
-                          "ping_pong": ping_pong(rank, channel, message, store, label, options)}
+                          "ping_pong": ping_pong(rank, channel, message, store, label, options),
+                          "late_echo_us": late_echo(rank, channel, message, options)}
         channel.close()
     dist.barrier()
     return {"env": environment(device) if rank == 0 else None, "results": results}
+
+
+def late_echo(rank: int, channel: Any, message: list[torch.Tensor], options: dict[str, Any]) -> float | None:
+    """On rank 0, the median round trip beyond rank 1's delay before it echoes (None on rank 1)."""
+    delay = options["late_ms"] / 1e3
+    extra = []
+    for _ in range(options["rounds"] * 2):
+        if rank == 0:
+            started = time.perf_counter()
+            channel.send(message)
+            channel.recv()
+            extra.append((time.perf_counter() - started - delay) * 1e6)
+        else:
+            received = channel.recv()
+            time.sleep(delay)
+            channel.send(received)
+    return statistics.median(extra[2:]) if rank == 0 else None
 
 
 def ping_pong(rank: int, channel: Any, message: list[torch.Tensor], store: Any, label: str,
@@ -106,6 +126,7 @@ def main() -> None:
     parser.add_argument("--per-round", type=int, default=48, help="messages per round (less than --slots)")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--smoke", action="store_true", help="shared memory between CPU processes")
+    parser.add_argument("--late-ms", type=float, default=3.0, help="rank 1's delay before each echo of the last phase")
     parser.add_argument("--share-gpu", action="store_true", help="both ranks on cuda:0 (one GPU), over CUDA IPC")
     parser.add_argument("--json", help="also write the numbers to this JSON file")
     args = parser.parse_args()
@@ -132,6 +153,8 @@ def main() -> None:
                           "rank1_send_us": echo["send_us"]})
     print_table(ping_rows, ["message", "one_way_us", "rank0_send_us", "rank0_recv_us", "rank1_recv_us",
                             "rank1_send_us"])
+    print(f"# rank 1 echoing {args.late_ms:g} ms after each arrival: rank 0's round trip beyond that, median µs: " +
+          ", ".join(f"{label} {outcome[0]['results'][label]['late_echo_us']:.1f}" for label, _, _ in MESSAGES))
     for rank, call in ((0, "send"), (1, "recv")):
         for label, _, _ in MESSAGES:
             phases = outcome[rank]["results"][label]["phases_us"]
