@@ -5,12 +5,17 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "../../csrc/transport/errors.h"
 
 #if defined(__SANITIZE_THREAD__)
 #define NATIVE_TEST_TSAN 1
@@ -64,9 +69,38 @@ inline void check_contains(const std::string& text, const std::string& needle) {
   }
 }
 
+// Runs body, which must throw ProtocolError with needle in its text.
+template <typename Body>
+void expect_protocol_error(Body&& body, const std::string& needle, const std::string& description) {
+  const std::string text =
+      expect_throw<pipecomm::transport::ProtocolError>(std::forward<Body>(body), description.c_str());
+  if (text.find(needle) == std::string::npos) {
+    throw TestFailure(description + ": expected \"" + needle + "\" in \"" + text + "\"");
+  }
+}
+
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
+
+// SplitMix64's step: reproducible, well-mixed data from a seed, so both ends of a channel can derive it.
+inline uint64_t splitmix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// A seeded sequence for the randomized cases: a failure replays from the same seed.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t next() { return state_ = splitmix(state_); }
+  uint64_t below(uint64_t n) { return n == 0 ? 0 : next() % n; }
+
+ private:
+  uint64_t state_;
+};
 
 struct TestCase {
   const char* name;
@@ -80,22 +114,26 @@ inline std::string& shm_prefix() {
   return prefix;
 }
 
-inline std::vector<std::string> leaked_segments() {
-  const std::string stem = shm_prefix().substr(1);
-  std::vector<std::string> leaked;
-  if (DIR* directory = opendir("/dev/shm")) {
-    while (const dirent* entry = readdir(directory)) {
-      if (std::string(entry->d_name).rfind(stem, 0) == 0) leaked.emplace_back(entry->d_name);
-    }
-    closedir(directory);
+// The /dev/shm entries whose names start with the segment name prefix (leading '/' included), sorted.
+inline std::vector<std::string> segments_with_prefix(const std::string& prefix) {
+  const std::string stem = prefix.substr(1);
+  std::vector<std::string> matches;
+  DIR* directory = opendir("/dev/shm");
+  // An unlistable /dev/shm would make every "no segments left" check pass.
+  if (directory == nullptr) throw TestFailure("cannot list /dev/shm");
+  while (const dirent* entry = readdir(directory)) {
+    if (std::string(entry->d_name).rfind(stem, 0) == 0) matches.emplace_back(entry->d_name);
   }
-  return leaked;
+  closedir(directory);
+  std::sort(matches.begin(), matches.end());
+  return matches;
 }
 
 // Runs every case, or only the one argv[1] names; a case fails if it throws or leaves segments behind.
 template <size_t N>
 int run_cases(const char* suite, const TestCase (&cases)[N], int argc, char** argv) {
   const char* only = argc > 1 ? argv[1] : nullptr;
+  shm_prefix();  // fixed here, before any case forks: a child must name its segments as the parent does
   int passed = 0;
   int failed = 0;
   int skipped = 0;
@@ -111,14 +149,15 @@ int run_cases(const char* suite, const TestCase (&cases)[N], int argc, char** ar
     const auto start = std::chrono::steady_clock::now();
     try {
       test_case.run();
-      const std::vector<std::string> leaked = leaked_segments();
+      const std::vector<std::string> leaked = segments_with_prefix(shm_prefix());
       if (!leaked.empty()) throw TestFailure("left " + std::to_string(leaked.size()) + " segments in /dev/shm, e.g. " + leaked[0]);
       std::printf("PASS %s (%.2f s)\n", test_case.name, seconds_since(start));
       ++passed;
     } catch (const std::exception& error) {
       std::printf("FAIL %s: %s\n", test_case.name, error.what());
       ++failed;
-      for (const std::string& entry : leaked_segments()) shm_unlink(("/" + entry).c_str());
+      // Keep one failure from cascading into leak reports for the following cases.
+      for (const std::string& entry : segments_with_prefix(shm_prefix())) shm_unlink(("/" + entry).c_str());
     }
     std::fflush(stdout);
   }

@@ -8,7 +8,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -24,78 +23,18 @@
 #include <utility>
 #include <vector>
 
-#if defined(__SANITIZE_THREAD__)
-#define IPC_PROTOCOL_TEST_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define IPC_PROTOCOL_TEST_TSAN 1
-#endif
-#endif
-#ifndef IPC_PROTOCOL_TEST_TSAN
-#define IPC_PROTOCOL_TEST_TSAN 0
-#endif
+#include "harness.h"
 
 namespace {
 
 using namespace pipecomm::transport;
+using namespace native_test;
 using Clock = std::chrono::steady_clock;
 
 constexpr char kPrefix[] = "test ipc protocol";
 constexpr auto kWaitTimeout = std::chrono::seconds(30);
 // ThreadSanitizer instruments every copy and atomic: fewer messages there, the same cases.
-constexpr uint64_t kScale = IPC_PROTOCOL_TEST_TSAN ? 1 : 5;
-
-class TestFailure : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-[[noreturn]] void fail_check(const char* condition, const char* file, int line, const std::string& detail) {
-  throw TestFailure(std::string(file) + ":" + std::to_string(line) + ": CHECK(" + condition + ") failed" +
-                    (detail.empty() ? "" : ": " + detail));
-}
-
-#define CHECK(condition)                                               \
-  do {                                                                 \
-    if (!(condition)) fail_check(#condition, __FILE__, __LINE__, ""); \
-  } while (0)
-
-#define CHECK_MSG(condition, detail)                                        \
-  do {                                                                      \
-    if (!(condition)) fail_check(#condition, __FILE__, __LINE__, (detail)); \
-  } while (0)
-
-// Runs body, which must throw ProtocolError with `needle` in its message.
-template <typename Body>
-void expect_protocol_error(Body&& body, const std::string& needle, const char* description) {
-  try {
-    body();
-  } catch (const ProtocolError& error) {
-    if (std::string(error.what()).find(needle) == std::string::npos) {
-      throw TestFailure(std::string(description) + ": expected \"" + needle + "\" in \"" + error.what() + "\"");
-    }
-    return;
-  } catch (const std::exception& error) {
-    throw TestFailure(std::string(description) + ": threw the wrong exception type: " + error.what());
-  }
-  throw TestFailure(std::string(description) + ": did not throw");
-}
-
-uint64_t splitmix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : state_(seed) {}
-  uint64_t below(uint64_t n) { return n == 0 ? 0 : (state_ = splitmix(state_)) % n; }
-
- private:
-  uint64_t state_;
-};
+constexpr uint64_t kScale = NATIVE_TEST_TSAN ? 1 : 5;
 
 // ---- the host device: streams, memory, IPC handles -----------------------------------------------------
 
@@ -1413,53 +1352,31 @@ void test_stress() {
   }
 }
 
-struct TestCase {
-  const char* name;
-  void (*run)();
-};
+// A failure names the first fault on a stream too, and clears it: left raised, it would abort the next case's streams.
+template <void (*Body)()>
+void reporting_stream_faults() {
+  try {
+    Body();
+  } catch (const std::exception& error) {
+    const std::string fault = take_fault();
+    if (fault.empty()) throw;
+    throw TestFailure(error.what() + std::string("; first on a stream: ") + fault);
+  }
+}
 
 const TestCase kTestCases[] = {
-    {"numbering", test_numbering},
-    {"handle_blob", test_handle_blob},
-    {"wait_rules", test_wait_rules},
-    {"slot_path", test_slot_path},
-    {"grow_and_shrink", test_grow_and_shrink},
-    {"direct_posts", test_direct_posts},
-    {"posted_wait_orders_buffer", test_posted_wait_orders_buffer},
-    {"posts_ordered_before", test_posts_ordered_before},
-    {"close_ordering", test_close_ordering},
-    {"stress", test_stress},
+    {"numbering", reporting_stream_faults<test_numbering>, false},
+    {"handle_blob", reporting_stream_faults<test_handle_blob>, false},
+    {"wait_rules", reporting_stream_faults<test_wait_rules>, false},
+    {"slot_path", reporting_stream_faults<test_slot_path>, false},
+    {"grow_and_shrink", reporting_stream_faults<test_grow_and_shrink>, false},
+    {"direct_posts", reporting_stream_faults<test_direct_posts>, false},
+    {"posted_wait_orders_buffer", reporting_stream_faults<test_posted_wait_orders_buffer>, false},
+    {"posts_ordered_before", reporting_stream_faults<test_posts_ordered_before>, false},
+    {"close_ordering", reporting_stream_faults<test_close_ordering>, false},
+    {"stress", reporting_stream_faults<test_stress>, false},
 };
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  const char* only = argc > 1 ? argv[1] : nullptr;
-  int passed = 0;
-  int failed = 0;
-  bool matched = false;
-  for (const TestCase& test_case : kTestCases) {
-    if (only != nullptr && std::strcmp(only, test_case.name) != 0) continue;
-    matched = true;
-    std::printf("RUN  %s\n", test_case.name);
-    std::fflush(stdout);
-    const auto start = Clock::now();
-    try {
-      test_case.run();
-      std::printf("PASS %s (%.2f s)\n", test_case.name, std::chrono::duration<double>(Clock::now() - start).count());
-      ++passed;
-    } catch (const std::exception& error) {
-      const std::string fault = take_fault();
-      const std::string stream_fault = fault.empty() ? "" : "; first on a stream: " + fault;
-      std::printf("FAIL %s: %s%s\n", test_case.name, error.what(), stream_fault.c_str());
-      ++failed;
-    }
-    std::fflush(stdout);
-  }
-  if (!matched) {
-    std::printf("ipc_protocol: no test case named '%s'\n", only);
-    return 2;
-  }
-  std::printf("ipc_protocol: %d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
-}
+int main(int argc, char** argv) { return run_cases("ipc_protocol", kTestCases, argc, argv); }

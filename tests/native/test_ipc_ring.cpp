@@ -20,16 +20,16 @@
 #include <cstring>
 #include <exception>
 #include <functional>
-#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "../../csrc/transport/errors.h"
+#include "harness.h"
 
 namespace {
 
 using namespace pipecomm::transport;
+using namespace native_test;
 using Clock = std::chrono::steady_clock;
 
 constexpr double kPeerTimeoutS = 60.0;   // one wait for the other process
@@ -40,18 +40,7 @@ const char* g_role = "?";
 int g_results_fd = -1;
 std::string g_only_case;  // empty: all cases
 
-class TestFailure : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
 [[noreturn]] void fail(const std::string& message) { throw TestFailure(message); }
-
-#define CHECK(condition, detail)                                                                       \
-  do {                                                                                                 \
-    if (!(condition)) fail(std::string(__FILE__ ":") + std::to_string(__LINE__) + ": CHECK(" #condition \
-                           ") failed: " + (detail));                                                   \
-  } while (0)
 
 void cuda_check(cudaError_t error, const char* call, int line) {
   if (error != cudaSuccess) {
@@ -120,7 +109,7 @@ std::string recv_frame(int fd, const std::string& what) {
                                           std::chrono::duration<double>(kPeerTimeoutS));
   uint64_t size = 0;
   read_all(fd, &size, sizeof(size), deadline, what);
-  CHECK(size < (uint64_t{1} << 24), "absurd frame size " + std::to_string(size));
+  CHECK_MSG(size < (uint64_t{1} << 24), "absurd frame size " + std::to_string(size));
   std::string payload(size, '\0');
   if (size > 0) read_all(fd, &payload[0], size, deadline, what);
   return payload;
@@ -130,7 +119,7 @@ std::string recv_frame(int fd, const std::string& what) {
 void rendezvous(int fd, const std::string& name) {
   send_frame(fd, "case " + name);
   const std::string got = recv_frame(fd, "start of case " + name);
-  CHECK(got == "case " + name, "peer is at '" + got + "', this process at case " + name);
+  CHECK_MSG(got == "case " + name, "peer is at '" + got + "', this process at case " + name);
 }
 
 // ---- CUDA helpers ----------------------------------------------------------------------------------
@@ -210,36 +199,7 @@ void call_with_other_device_current(const Context& ctx, const std::function<void
   int current = -1;
   CUDA_CHECK(cudaGetDevice(&current));
   CUDA_CHECK(cudaSetDevice(ctx.device));
-  CHECK(current == ctx.other_device, "the ring end left device " + std::to_string(current) + " current");
-}
-
-uint64_t splitmix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-class Rng {
- public:
-  explicit Rng(uint64_t seed) : state_(seed) {}
-  uint64_t next() { return state_ = splitmix(state_); }
-  uint64_t below(uint64_t n) { return n == 0 ? 0 : next() % n; }
-
- private:
-  uint64_t state_;
-};
-
-template <typename F>
-void expect_protocol_error(F&& action, const std::string& must_contain, const std::string& what) {
-  try {
-    action();
-  } catch (const ProtocolError& error) {
-    CHECK(std::string(error.what()).find(must_contain) != std::string::npos,
-          what + ": ProtocolError without '" + must_contain + "': " + error.what());
-    return;
-  }
-  fail(what + ": no ProtocolError");
+  CHECK_MSG(current == ctx.other_device, "the ring end left device " + std::to_string(current) + " current");
 }
 
 // ---- case 1: round trip of several regions ---------------------------------------------------------
@@ -267,13 +227,13 @@ unsigned char round_trip_byte(uint64_t seq, size_t region, size_t index) {
 void round_trip_receiver(Context& ctx, Arena& arena) {
   auto& ring = arena.make<IpcRingReceiver>(ctx.device, kRoundTripSlots, kRoundTripSlotBytes,
                                            "test ipc channel rank 1 -> rank 0");
-  CHECK(ring.slot_bytes() == kRoundTripSlotBytes, std::to_string(ring.slot_bytes()));
-  CHECK(ring.num_slots() == kRoundTripSlots, "");
+  CHECK_MSG(ring.slot_bytes() == kRoundTripSlotBytes, std::to_string(ring.slot_bytes()));
+  CHECK(ring.num_slots() == kRoundTripSlots);
   const std::string handles = ring.export_handles();
   const IpcRingHandleInfo info = parse_ipc_ring_handles(handles);
-  CHECK(info.num_slots == kRoundTripSlots && info.slot_bytes == kRoundTripSlotBytes && info.generation == 0 &&
-            info.first_seq == 0 && info.owner_pid == getpid(),
-        "parsed handle info");
+  CHECK_MSG(info.num_slots == kRoundTripSlots && info.slot_bytes == kRoundTripSlotBytes && info.generation == 0 &&
+                info.first_seq == 0 && info.owner_pid == getpid(),
+            "parsed handle info");
   send_frame(ctx.sock, handles);
   cudaStream_t stream = arena.stream();
 
@@ -286,7 +246,7 @@ void round_trip_receiver(Context& ctx, Arena& arena) {
   }
   expect_protocol_error([&] { ring.enqueue_receive(1, bad, stream); }, "expected 0", "out-of-order receive");
   expect_protocol_error([&] { ring.enqueue_receive(0, bad, stream); }, "message 0 region 3", "oversized region");
-  CHECK(ring.next_seq() == 0, "a refused receive advanced the sequence");
+  CHECK_MSG(ring.next_seq() == 0, "a refused receive advanced the sequence");
   expect_protocol_error([] { parse_ipc_ring_handles("not a handle blob"); }, "not an ipc ring handle", "garbage");
 
   size_t bad_bytes = 0;
@@ -317,14 +277,14 @@ void round_trip_receiver(Context& ctx, Arena& arena) {
       }
     }
   }
-  CHECK(bad_bytes == 0, std::to_string(bad_bytes) + " wrong bytes, first at " + first_bad);
-  CHECK(recv_frame(ctx.sock, "end of round trip") == "done", "");
+  CHECK_MSG(bad_bytes == 0, std::to_string(bad_bytes) + " wrong bytes, first at " + first_bad);
+  CHECK(recv_frame(ctx.sock, "end of round trip") == "done");
 }
 
 void round_trip_sender(Context& ctx, Arena& arena) {
   const std::string handles = recv_frame(ctx.sock, "receiver handles");
   auto& ring = arena.make<IpcRingSender>(ctx.device, handles, "test ipc channel rank 1 -> rank 0");
-  CHECK(ring.slot_bytes() == kRoundTripSlotBytes && ring.num_slots() == kRoundTripSlots, "");
+  CHECK(ring.slot_bytes() == kRoundTripSlotBytes && ring.num_slots() == kRoundTripSlots);
   cudaStream_t stream = arena.stream();
 
   std::vector<CopyRegion> bad = round_trip_layout(0);
@@ -341,7 +301,7 @@ void round_trip_sender(Context& ctx, Arena& arena) {
   foreign[100] = static_cast<char>(foreign[100] ^ 0x5A);  // flags handle of "another" receiver
   expect_protocol_error([&] { ring.update(foreign); }, "another receiver", "foreign update");
   ring.update(handles);  // the mapped generation again: ignored
-  CHECK(ring.next_seq() == 0 && ring.generation() == 0, "refused calls changed the sender");
+  CHECK_MSG(ring.next_seq() == 0 && ring.generation() == 0, "refused calls changed the sender");
 
   for (uint64_t seq = 0; seq < kRoundTripMessages; ++seq) {
     std::vector<CopyRegion> regions = round_trip_layout(seq);
@@ -402,8 +362,8 @@ void direct_receiver(Context& ctx, Arena& arena) {
       char* buffer = pool + direct_pool_offset(seq);
       PostFrame post{seq, 0, 0, {}};
       size_t offset = 0;
-      CHECK(ring.export_pointer(buffer, &post.handle, &offset), "export_pointer refused a cudaMalloc allocation");
-      CHECK(offset == direct_pool_offset(seq), "offset " + std::to_string(offset));
+      CHECK_MSG(ring.export_pointer(buffer, &post.handle, &offset), "export_pointer refused a cudaMalloc allocation");
+      CHECK_MSG(offset == direct_pool_offset(seq), "offset " + std::to_string(offset));
       post.offset = offset;
       post.capacity = regions.back().slot_offset + regions.back().bytes;
       // The buffer's previous contents are written on the posting stream right before the post: the
@@ -425,10 +385,10 @@ void direct_receiver(Context& ctx, Arena& arena) {
       for (size_t i = 0; i < host.size(); ++i) bad_bytes += host[i] != round_trip_byte(seq, r, i);
     }
   }
-  CHECK(bad_bytes == 0, std::to_string(bad_bytes) + " wrong bytes");
+  CHECK_MSG(bad_bytes == 0, std::to_string(bad_bytes) + " wrong bytes");
   expect_protocol_error([&] { ring.enqueue_post(3, stream); }, "already posted", "post number behind an earlier one");
-  CHECK(!ring.export_pointer(nullptr, nullptr, nullptr), "exported a null pointer");
-  CHECK(recv_frame(ctx.sock, "end of direct case") == "done", "");
+  CHECK_MSG(!ring.export_pointer(nullptr, nullptr, nullptr), "exported a null pointer");
+  CHECK(recv_frame(ctx.sock, "end of direct case") == "done");
 }
 
 void direct_sender(Context& ctx, Arena& arena) {
@@ -451,10 +411,10 @@ void direct_sender(Context& ctx, Arena& arena) {
       continue;
     }
     const std::string frame = recv_frame(ctx.sock, "post of message " + std::to_string(seq));
-    CHECK(frame.size() == sizeof(PostFrame), "post frame size");
+    CHECK_MSG(frame.size() == sizeof(PostFrame), "post frame size");
     PostFrame post;
     std::memcpy(&post, frame.data(), sizeof(post));
-    CHECK(post.seq == seq, "post for message " + std::to_string(post.seq));
+    CHECK_MSG(post.seq == seq, "post for message " + std::to_string(post.seq));
     expect_protocol_error(
         [&] {
           ring.enqueue_send_direct(seq, seq / 2, post.handle, post.offset, post.capacity - 1, regions.data(),
@@ -469,9 +429,10 @@ void direct_sender(Context& ctx, Arena& arena) {
         "expected " + std::to_string(seq), "out-of-order direct send");
     const bool sent = ring.enqueue_send_direct(seq, seq / 2, post.handle, post.offset, post.capacity,
                                                regions.data(), regions.size(), stream);
-    CHECK(sent, "could not map the receiver's allocation");
+    CHECK_MSG(sent, "could not map the receiver's allocation");
   }
-  CHECK(ring.mapped_peer_allocations() == 1, std::to_string(ring.mapped_peer_allocations()) + " mappings of one pool");
+  CHECK_MSG(ring.mapped_peer_allocations() == 1,
+            std::to_string(ring.mapped_peer_allocations()) + " mappings of one pool");
   ring.enqueue_wait_consumed(kDirectMessages - 1, stream);  // odd: by slot
   sync_stream(streams[1], "direct case: sends on stream 1");
   sync_stream(streams[0], "direct case: last message consumed");
@@ -564,10 +525,10 @@ void stress_receiver(Context& ctx, Arena& arena) {
         // The upper layer's job, simulated: the sender asked for bigger slots for this message.
         const std::string request = recv_frame(ctx.sock, "grow request for message " + std::to_string(seq));
         const std::string expected = "grow " + std::to_string(seq) + " " + std::to_string(m.needed_slot_bytes);
-        CHECK(request == expected, "got '" + request + "', expected '" + expected + "'");
+        CHECK_MSG(request == expected, "got '" + request + "', expected '" + expected + "'");
         send_frame(ctx.sock, ring.grow(m.needed_slot_bytes, seq));
         ++grows;
-        CHECK(ring.slot_bytes() >= m.needed_slot_bytes, "grow gave too little");
+        CHECK_MSG(ring.slot_bytes() >= m.needed_slot_bytes, "grow gave too little");
       }
       if (m.bytes > 0) CUDA_CHECK(cudaMemsetAsync(dest[b], 0xA5, m.bytes, stream));
       for (auto& region : m.regions) region.local = dest[b] + reinterpret_cast<uintptr_t>(region.local);
@@ -590,9 +551,9 @@ void stress_receiver(Context& ctx, Arena& arena) {
            " MiB, " + std::to_string(grows) + " grows, final slot " + std::to_string(ring.slot_bytes()) +
            " bytes, generation " + std::to_string(ring.generation()) + ", " + std::to_string(corrupted) +
            " corrupted, " + std::to_string(seconds) + " s");
-  CHECK(corrupted == 0, std::to_string(corrupted) + " corrupted messages, first:" + corrupted_list);
-  CHECK(grows >= 2 && ring.generation() == grows, "grew " + std::to_string(grows) + " times");
-  CHECK(recv_frame(ctx.sock, "end of stress") == "done", "");
+  CHECK_MSG(corrupted == 0, std::to_string(corrupted) + " corrupted messages, first:" + corrupted_list);
+  CHECK_MSG(grows >= 2 && ring.generation() == grows, "grew " + std::to_string(grows) + " times");
+  CHECK(recv_frame(ctx.sock, "end of stress") == "done");
 }
 
 void stress_sender(Context& ctx, Arena& arena) {
@@ -617,7 +578,7 @@ void stress_sender(Context& ctx, Arena& arena) {
       send_frame(ctx.sock, "grow " + std::to_string(seq) + " " + std::to_string(m.needed_slot_bytes));
       ring.update(recv_frame(ctx.sock, "grown handles for message " + std::to_string(seq)));
       ++grows;
-      CHECK(ring.slot_bytes() >= m.needed_slot_bytes, "update did not adopt the grown slots");
+      CHECK_MSG(ring.slot_bytes() >= m.needed_slot_bytes, "update did not adopt the grown slots");
     }
     const size_t base = stress_source_offset(seq);
     for (auto& region : m.regions) region.local = source + base + reinterpret_cast<uintptr_t>(region.local);
@@ -625,7 +586,7 @@ void stress_sender(Context& ctx, Arena& arena) {
   }
   ring.enqueue_wait_consumed(kStressMessages - 1, stream);
   sync_stream(stream, "stress: last message consumed");
-  CHECK(grows >= 2 && ring.generation() == grows, "updated " + std::to_string(grows) + " times");
+  CHECK_MSG(grows >= 2 && ring.generation() == grows, "updated " + std::to_string(grows) + " times");
   send_frame(ctx.sock, "done");
 }
 
@@ -687,19 +648,19 @@ void resize_receiver(Context& ctx, Arena& arena) {
     }
   };
   const auto expect_state = [&](size_t live, uint32_t generation, size_t slot_bytes, const std::string& when) {
-    CHECK(ring.live_generations() == live && ring.generation() == generation && ring.slot_bytes() == slot_bytes,
-          when + ": " + std::to_string(ring.live_generations()) + " live generations, newest " +
-              std::to_string(ring.generation()) + " of " + std::to_string(ring.slot_bytes()) +
-              "-byte slots; expected " + std::to_string(live) + ", " + std::to_string(generation) + ", " +
-              std::to_string(slot_bytes));
+    CHECK_MSG(ring.live_generations() == live && ring.generation() == generation && ring.slot_bytes() == slot_bytes,
+              when + ": " + std::to_string(ring.live_generations()) + " live generations, newest " +
+                  std::to_string(ring.generation()) + " of " + std::to_string(ring.slot_bytes()) +
+                  "-byte slots; expected " + std::to_string(live) + ", " + std::to_string(generation) + ", " +
+                  std::to_string(slot_bytes));
   };
 
   const auto expect_blob = [](const std::string& blob, uint32_t generation, uint64_t first_seq, size_t slot_bytes,
                               const std::string& what) {
     const IpcRingHandleInfo info = parse_ipc_ring_handles(blob);
-    CHECK(info.generation == generation && info.first_seq == first_seq && info.slot_bytes == slot_bytes,
-          what + " blob: generation " + std::to_string(info.generation) + ", first_seq " +
-              std::to_string(info.first_seq) + ", slot_bytes " + std::to_string(info.slot_bytes));
+    CHECK_MSG(info.generation == generation && info.first_seq == first_seq && info.slot_bytes == slot_bytes,
+              what + " blob: generation " + std::to_string(info.generation) + ", first_seq " +
+                  std::to_string(info.first_seq) + ", slot_bytes " + std::to_string(info.slot_bytes));
   };
 
   for (uint64_t seq = 0; seq < kResizeGrowSeq; ++seq) receive(seq);
@@ -711,7 +672,7 @@ void resize_receiver(Context& ctx, Arena& arena) {
   send_frame(ctx.sock, shrunk);
 
   const std::string request = recv_frame(ctx.sock, "grow request for message " + std::to_string(kResizeGrowSeq));
-  CHECK(request == resize_grow_request(), "got '" + request + "', expected '" + resize_grow_request() + "'");
+  CHECK_MSG(request == resize_grow_request(), "got '" + request + "', expected '" + resize_grow_request() + "'");
   std::string grown;
   call_with_other_device_current(ctx, [&] { grown = ring.grow(kResizeGrownSlotBytes, kResizeGrowSeq); });
   expect_blob(grown, 2, kResizeGrowSeq, kResizeGrownSlotBytes, "grow");
@@ -732,7 +693,7 @@ void resize_receiver(Context& ctx, Arena& arena) {
     expect_state(seq + 1 < kResizeShrinkSeq ? 2 : 1, 1, kResizeShrunkSlotBytes,
                  "after receiving message " + std::to_string(seq));
   }
-  CHECK(bad_bytes == 0, std::to_string(bad_bytes) + " wrong bytes, first at " + first_bad);
+  CHECK_MSG(bad_bytes == 0, std::to_string(bad_bytes) + " wrong bytes, first at " + first_bad);
 
   const std::string late = ring.resize(kResizeLateSlotBytes, kResizeLateSeq);
   expect_state(2, 3, kResizeLateSlotBytes, "after the late resize");
@@ -746,8 +707,8 @@ void resize_receiver(Context& ctx, Arena& arena) {
   expect_protocol_error([&] { ring.grow(kResizeInitialSlotBytes, kResizeLateSeq); }, "already received",
                         "grow for the last received message");
   expect_state(1, 3, kResizeLateSlotBytes, "after the refused resizes");
-  CHECK(ring.next_seq() == kResizeLateSeq + 1, std::to_string(ring.next_seq()));
-  CHECK(recv_frame(ctx.sock, "end of resize case") == "done", "");
+  CHECK_MSG(ring.next_seq() == kResizeLateSeq + 1, std::to_string(ring.next_seq()));
+  CHECK(recv_frame(ctx.sock, "end of resize case") == "done");
 }
 
 void resize_sender(Context& ctx, Arena& arena) {
@@ -765,10 +726,10 @@ void resize_sender(Context& ctx, Arena& arena) {
     return regions;
   };
   const auto expect_next = [&](uint32_t generation, size_t slot_bytes, const std::string& when) {
-    CHECK(ring.generation() == generation && ring.slot_bytes() == slot_bytes,
-          when + ": message " + std::to_string(ring.next_seq()) + " would go to generation " +
-              std::to_string(ring.generation()) + " of " + std::to_string(ring.slot_bytes()) +
-              "-byte slots; expected " + std::to_string(generation) + ", " + std::to_string(slot_bytes));
+    CHECK_MSG(ring.generation() == generation && ring.slot_bytes() == slot_bytes,
+              when + ": message " + std::to_string(ring.next_seq()) + " would go to generation " +
+                  std::to_string(ring.generation()) + " of " + std::to_string(ring.slot_bytes()) +
+                  "-byte slots; expected " + std::to_string(generation) + ", " + std::to_string(slot_bytes));
   };
 
   for (uint64_t seq = 0; seq < kResizeGrowSeq; ++seq) ring.enqueue_send(seq, filled_regions(seq), stream);
@@ -849,7 +810,7 @@ void bandwidth_receiver(Context& ctx, Arena& arena) {
     }
     send_frame(ctx.sock, handles.empty() ? std::string("go") : handles);
     sync_stream(stream, std::string("bandwidth phase ") + phase.name);
-    CHECK(recv_frame(ctx.sock, std::string("end of bandwidth phase ") + phase.name) == "done", "");
+    CHECK(recv_frame(ctx.sock, std::string("end of bandwidth phase ") + phase.name) == "done");
   }
 }
 

@@ -1,7 +1,6 @@
 // Native tests for the shared-memory ring (csrc/transport/shm_ring.*); optional argv[1] runs one case.
 #include "../../csrc/transport/shm_ring.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -23,71 +22,18 @@
 #include <thread>
 #include <vector>
 
-#if defined(__SANITIZE_THREAD__)
-#define SHM_RING_TEST_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define SHM_RING_TEST_TSAN 1
-#endif
-#endif
-#ifndef SHM_RING_TEST_TSAN
-#define SHM_RING_TEST_TSAN 0
-#endif
+#include "harness.h"
 
 namespace {
 
 using namespace pipecomm::transport;
+using namespace native_test;
 using Clock = std::chrono::steady_clock;
 
 constexpr int kSenderRank = 3;
 constexpr int kReceiverRank = 5;
 
-// Every segment of this run starts with it, so leaks are attributable and runs do not collide.
-std::string g_prefix;
-
-class TestFailure : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-[[noreturn]] void fail_check(const char* condition, const char* file, int line, const std::string& detail) {
-  throw TestFailure(std::string(file) + ":" + std::to_string(line) + ": CHECK(" + condition + ") failed" +
-                    (detail.empty() ? "" : ": " + detail));
-}
-
-#define CHECK(condition)                                               \
-  do {                                                                 \
-    if (!(condition)) fail_check(#condition, __FILE__, __LINE__, ""); \
-  } while (0)
-
-#define CHECK_MSG(condition, detail)                                        \
-  do {                                                                      \
-    if (!(condition)) fail_check(#condition, __FILE__, __LINE__, (detail)); \
-  } while (0)
-
-template <typename Expected, typename Body>
-std::string expect_throw(Body&& body, const char* description) {
-  try {
-    body();
-  } catch (const Expected& error) {
-    return error.what();
-  } catch (const std::exception& error) {
-    throw TestFailure(std::string(description) + ": threw the wrong exception type: " + error.what());
-  }
-  throw TestFailure(std::string(description) + ": did not throw");
-}
-
-void check_contains(const std::string& text, const std::string& needle) {
-  if (text.find(needle) == std::string::npos) {
-    throw TestFailure("expected \"" + needle + "\" in error message \"" + text + "\"");
-  }
-}
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-std::string channel_name(const char* case_name) { return g_prefix + "." + case_name; }
+std::string channel_name(const char* case_name) { return shm_prefix() + "." + case_name; }
 
 RingConfig receiver_config(const std::string& name, uint32_t num_slots, size_t slot_bytes, double timeout_s) {
   return RingConfig{name, kReceiverRank, kSenderRank, num_slots, slot_bytes, timeout_s};
@@ -102,30 +48,17 @@ RingConfig sender_config(const std::string& name, double timeout_s) {
   return config;
 }
 
-std::vector<std::string> shm_entries_with_prefix(const std::string& prefix) {
-  const std::string stem = prefix.substr(1);
-  std::vector<std::string> matches;
-  DIR* directory = opendir("/dev/shm");
-  if (directory == nullptr) throw TestFailure("cannot list /dev/shm");
-  while (const dirent* entry = readdir(directory)) {
-    if (std::string(entry->d_name).rfind(stem, 0) == 0) matches.emplace_back(entry->d_name);
-  }
-  closedir(directory);
-  std::sort(matches.begin(), matches.end());
-  return matches;
-}
-
 std::string join(const std::vector<std::string>& items) {
   std::string joined;
   for (const std::string& item : items) joined += (joined.empty() ? "" : ", ") + item;
   return joined;
 }
 
+// The SplitMix64 sequence proper: the state steps by the constant splitmix adds (Rng chains its outputs).
 uint64_t splitmix64(uint64_t& state) {
-  uint64_t mixed = (state += 0x9E3779B97F4A7C15ull);
-  mixed = (mixed ^ (mixed >> 30)) * 0xBF58476D1CE4E5B9ull;
-  mixed = (mixed ^ (mixed >> 27)) * 0x94D049BB133111EBull;
-  return mixed ^ (mixed >> 31);
+  const uint64_t mixed = splitmix(state);
+  state += 0x9E3779B97F4A7C15ull;
+  return mixed;
 }
 
 void fill_pattern(std::byte* out, size_t bytes, uint64_t seed) {
@@ -672,7 +605,7 @@ void test_bad_setup() {
 void test_permissions() {
   const std::string name = channel_name("permissions");
   ShmRingReceiver receiver(receiver_config(name, 4, 4096, 5.0));
-  const auto entries = shm_entries_with_prefix(name);
+  const auto entries = segments_with_prefix(name);
   CHECK_MSG(entries.size() == 2, join(entries));  // control + first data generation
   for (const std::string& entry : entries) {
     struct stat status {};
@@ -684,7 +617,7 @@ void test_permissions() {
   ShmRingSender sender(sender_config(name, 5.0));
   sender.wait_connected();
   // Both sides map everything once attached, so no name is needed any more.
-  CHECK_MSG(shm_entries_with_prefix(name).empty(), join(shm_entries_with_prefix(name)));
+  CHECK_MSG(segments_with_prefix(name).empty(), join(segments_with_prefix(name)));
 }
 
 void test_peer_death() {
@@ -747,11 +680,11 @@ void test_crash_cleanup() {
     created.wait();
     ShmRingSender sender(sender_config(name, 10.0));
     sender.wait_connected();
-    CHECK_MSG(shm_entries_with_prefix(name).empty(), join(shm_entries_with_prefix(name)));
+    CHECK_MSG(segments_with_prefix(name).empty(), join(segments_with_prefix(name)));
     kill(child, SIGKILL);
     wait_child(child);
     sender.close();
-    CHECK_MSG(shm_entries_with_prefix(name).empty(), join(shm_entries_with_prefix(name)));
+    CHECK_MSG(segments_with_prefix(name).empty(), join(segments_with_prefix(name)));
   }
   {
     // Killed sender: the surviving receiver unlinks on close.
@@ -763,10 +696,10 @@ void test_crash_cleanup() {
       raise(SIGKILL);
     });
     wait_child(child);
-    CHECK_MSG(shm_entries_with_prefix(name).empty(), join(shm_entries_with_prefix(name)));
+    CHECK_MSG(segments_with_prefix(name).empty(), join(segments_with_prefix(name)));
     expect_throw<PeerDiedError>([&] { receiver.recv(); }, "recv from killed sender");
     receiver.close();
-    CHECK_MSG(shm_entries_with_prefix(name).empty(), join(shm_entries_with_prefix(name)));
+    CHECK_MSG(segments_with_prefix(name).empty(), join(segments_with_prefix(name)));
   }
   // Killed before anyone attached: the names stay until a sweep, which spares live owners.
   const std::string orphan_name = channel_name("crash_orphan");
@@ -780,12 +713,12 @@ void test_crash_cleanup() {
   created.wait();
   kill(child, SIGKILL);
   wait_child(child);
-  CHECK_MSG(shm_entries_with_prefix(orphan_name).size() == 2, join(shm_entries_with_prefix(orphan_name)));
+  CHECK_MSG(segments_with_prefix(orphan_name).size() == 2, join(segments_with_prefix(orphan_name)));
   ShmRingReceiver live(receiver_config(live_name, 4, 4096, 10.0));
   const size_t removed = sweep_stale_segments(channel_name("crash_"));
   CHECK_MSG(removed == 2, std::to_string(removed) + " removed");
-  CHECK_MSG(shm_entries_with_prefix(orphan_name).empty(), join(shm_entries_with_prefix(orphan_name)));
-  CHECK(shm_entries_with_prefix(live_name).size() == 2);
+  CHECK_MSG(segments_with_prefix(orphan_name).empty(), join(segments_with_prefix(orphan_name)));
+  CHECK(segments_with_prefix(live_name).size() == 2);
   CHECK(sweep_stale_segments(channel_name("crash_")) == 0);
 }
 
@@ -795,7 +728,7 @@ void test_fork_inherited() {
   ShmRingReceiver receiver(receiver_config(name, 4, 4096, 5.0));
   ShmRingSender sender(sender_config(name, 5.0));
   check_child_succeeded(fork_child([&] { receiver.close(); }));
-  CHECK_MSG(shm_entries_with_prefix(name).size() == 2, join(shm_entries_with_prefix(name)));
+  CHECK_MSG(segments_with_prefix(name).size() == 2, join(segments_with_prefix(name)));
   sender.send_bytes(nullptr, 0, 1);
   check_child_succeeded(fork_child([&] {
     sender.close();
@@ -808,12 +741,6 @@ void test_fork_inherited() {
     receiver.release(message.seq);
   }
 }
-
-struct TestCase {
-  const char* name;
-  void (*run)();
-  bool forks;
-};
 
 const TestCase kTestCases[] = {
     {"round_trip", test_round_trip, false},
@@ -833,43 +760,4 @@ const TestCase kTestCases[] = {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  const char* only = argc > 1 ? argv[1] : nullptr;
-  g_prefix = "/pipecomm.t" + std::to_string(getpid());
-  int passed = 0;
-  int failed = 0;
-  int skipped = 0;
-  bool matched = false;
-  for (const TestCase& test_case : kTestCases) {
-    if (only != nullptr && std::strcmp(only, test_case.name) != 0) continue;
-    matched = true;
-    if (test_case.forks && SHM_RING_TEST_TSAN) {
-      std::printf("SKIP %s (forks; not run under ThreadSanitizer)\n", test_case.name);
-      ++skipped;
-      continue;
-    }
-    std::printf("RUN  %s\n", test_case.name);
-    std::fflush(stdout);
-    const auto start = Clock::now();
-    try {
-      test_case.run();
-      const auto leaked = shm_entries_with_prefix(g_prefix);
-      if (!leaked.empty()) throw TestFailure("left segments in /dev/shm: " + join(leaked));
-      std::printf("PASS %s (%.2f s)\n", test_case.name, seconds_since(start));
-      ++passed;
-    } catch (const std::exception& error) {
-      std::printf("FAIL %s: %s\n", test_case.name, error.what());
-      ++failed;
-      // Keep one failure from cascading into leak reports for the following cases.
-      for (const std::string& entry : shm_entries_with_prefix(g_prefix)) shm_unlink(("/" + entry).c_str());
-    }
-    std::fflush(stdout);
-  }
-  if (!matched) {
-    std::printf("shm_ring: no test case named '%s'\n", only);
-    return 2;
-  }
-  std::printf("shm_ring: %d passed, %d failed%s\n", passed, failed,
-              skipped > 0 ? (", " + std::to_string(skipped) + " skipped").c_str() : "");
-  return failed == 0 ? 0 : 1;
-}
+int main(int argc, char** argv) { return run_cases("shm_ring", kTestCases, argc, argv); }
