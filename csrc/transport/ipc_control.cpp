@@ -17,6 +17,8 @@ constexpr auto kYieldDuration = std::chrono::milliseconds(1);
 constexpr auto kFirstSleep = std::chrono::microseconds(20);
 // The longest a wait sleeps: how late it may see its message, or answer another channel's request.
 constexpr auto kLongestSleep = std::chrono::microseconds(200);
+// The longest a wait sleeps on its own ring's futex: how late it answers another channel's request.
+constexpr auto kLongestNotifiedSleep = std::chrono::microseconds(1000);
 
 // Whether this thread is inside service_all: a service that waits calls it again.
 thread_local bool servicing = false;
@@ -75,7 +77,7 @@ ServicingWait::ServicingWait(double timeout_s)
       timeout_s_(timeout_s),
       sleep_(kFirstSleep) {}
 
-void ServicingWait::pause(ControlPlane& plane) {
+void ServicingWait::pause(ControlPlane& plane, const Sleeper& sleep_until_notified) {
   const Clock::duration waited = Clock::now() - start_;
   if (waited < kSpinDuration) {
     for (int relax = 0; relax < kRelaxesPerPause; ++relax) cpu_relax();
@@ -84,6 +86,9 @@ void ServicingWait::pause(ControlPlane& plane) {
   plane.service_all();
   if (waited < kYieldDuration) {
     std::this_thread::yield();
+  } else if (sleep_until_notified) {
+    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline_ - Clock::now());
+    sleep_until_notified(std::max(std::chrono::microseconds(0), std::min(left, kLongestNotifiedSleep)));
   } else {
     std::this_thread::sleep_for(std::min<Clock::duration>(sleep_, deadline_ - Clock::now()));
     sleep_ = std::min<Clock::duration>(sleep_ * 2, kLongestSleep);

@@ -70,17 +70,20 @@ class ControlPlane {
 };
 
 // How a channel call waits for its peer while it services the plane: it spins at first (a peer usually
-// answers within microseconds), then yields, then sleeps in slices short enough that neither what it
-// waits for nor another channel's request sits long unseen. A futex sleep on one ring would see
-// nothing else.
+// answers within microseconds), then yields, then sleeps: on the futex of the ring it waits on when the
+// caller gives one (woken at once by its own message, and back to service the plane at least every
+// millisecond for other channels' requests), else in slices short enough that neither what it waits for
+// nor another channel's request sits long unseen.
 class ServicingWait {
  public:
   explicit ServicingWait(double timeout_s);
 
   bool expired() const { return Clock::now() >= deadline_; }
+  using Sleeper = std::function<void(std::chrono::microseconds longest)>;
   // One pause between two looks at what the call waits for. Past the first microseconds, which are
-  // kept for noticing the awaited message soon, it services `plane`.
-  void pause(ControlPlane& plane);
+  // kept for noticing the awaited message soon, it services `plane`. `sleep_until_notified`, if given,
+  // sleeps until what the call waits for may have come, at most `longest`.
+  void pause(ControlPlane& plane, const Sleeper& sleep_until_notified = nullptr);
   // "timed out after <timeout> s", worded as the rings word their timeouts.
   std::string timed_out() const;
 

@@ -47,7 +47,7 @@ Message HostInbox::wait_for_message(const GrowAnswer& answer, ControlPlane& plan
     poll(answer);
     if (const std::optional<Message> message = next_message()) return *message;
     check_wait(wait, interrupted);
-    wait.pause(plane);
+    wait.pause(plane, [this](std::chrono::microseconds longest) { ring_.sleep_until_notified(longest); });
   }
 }
 

@@ -674,6 +674,13 @@ Message ShmRingReceiver::recv() {
   return take_message(seq);
 }
 
+void ShmRingReceiver::sleep_until_notified(std::chrono::microseconds longest) {
+  // Read before the check: a message published after it changes the word, and the futex will not sleep.
+  const uint32_t observed = control_->receiver_wake.sequence.load(std::memory_order_acquire);
+  if (message_ready(next_recv_seq_)) return;
+  sleep_on(control_->receiver_wake, observed, longest);
+}
+
 std::optional<Message> ShmRingReceiver::try_recv() {
   ensure_open("receive");
   const uint64_t seq = next_recv_seq_;

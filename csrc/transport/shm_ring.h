@@ -107,6 +107,11 @@ class ShmRingReceiver {
   // Answers the sender's pending grow request without receiving; recv() and try_recv() do it too.
   void service();
 
+  // Sleeps until the sender publishes something (the next message, say), at most `longest`; returns at once
+  // if the next message is already there. For a caller that polls with try_recv() but must wake for its
+  // message as soon as recv() would.
+  void sleep_until_notified(std::chrono::microseconds longest);
+
   // Swaps to smaller slots if the ring is empty and no resize is in flight; returns whether it did.
   bool shrink(size_t slot_bytes);
 
