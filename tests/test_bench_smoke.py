@@ -98,3 +98,12 @@ def test_recompute_memory_smoke_keeps_less_with_recomputation(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["mode"]: row for row in json.loads((tmp_path / "recompute.json").read_text())["rows"]}
     assert rows["stage"]["kept_MiB"] < rows["layers"]["kept_MiB"] < rows["none"]["kept_MiB"]
+
+
+def test_inference_smoke_compares_with_torch_and_agrees(tmp_path):
+    result = run_bench("inference.py", "--json", str(tmp_path / "inference.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row["placement"]: row for row in json.loads((tmp_path / "inference.json").read_text())["rows"]}
+    assert set(rows) == {"looped", "interleaved", "v"}
+    assert all(row["pipecomm_ms"] > 0 and row["outputs_agree"] for row in rows.values())
+    assert rows["looped"]["torch_ms"] > 0 and rows["interleaved"]["torch_ms"] > 0 and rows["v"]["torch_ms"] is None
