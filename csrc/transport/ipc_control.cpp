@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <thread>
 
+#include "cpu_relax.h"
+
 namespace pipecomm::transport {
 namespace {
 
@@ -22,14 +24,6 @@ constexpr auto kLongestNotifiedSleep = std::chrono::microseconds(1000);
 
 // Whether this thread is inside service_all: a service that waits calls it again.
 thread_local bool servicing = false;
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 }  // namespace
 

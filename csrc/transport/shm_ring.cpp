@@ -27,6 +27,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "cpu_relax.h"
+
 namespace pipecomm::transport {
 namespace detail {
 
@@ -268,14 +270,6 @@ void write_reason(char* field, uint32_t& length, const std::string& reason) noex
 std::string abort_note(const char* field, uint32_t length) {
   if (length == 0) return "";
   return " (it aborted: " + std::string(field, std::min<size_t>(length, kAbortReasonBytes)) + ")";
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
 }
 
 uint32_t* futex_word(std::atomic<uint32_t>& word) { return reinterpret_cast<uint32_t*>(&word); }
