@@ -12,7 +12,7 @@ import torch
 
 from pipecomm import _C
 
-__all__ = ["Channel", "ChannelError", "ChannelTimeoutError", "Handle", "PeerDiedError", "ProtocolError"]
+__all__ = ["Channel", "ChannelError", "ChannelTimeoutError", "Handle", "NativeChannel", "PeerDiedError", "ProtocolError"]
 
 ChannelError = _C.ChannelError
 ChannelTimeoutError = _C.ChannelTimeoutError
@@ -274,6 +274,27 @@ class Channel(abc.ABC):
 
     def _interrupt(self) -> None:
         """Makes a call waiting in another thread raise now, where the backend can."""
+
+
+class NativeChannel(Channel):
+    """A backend whose every message is one call of a native channel (shm, IPC): send, recv, shrink and interrupt
+    go straight to it; opening, close and abort stay the backend's own."""
+
+    def __init__(self, rank: int, peer_rank: int, device: torch.device, timeout: float, native):
+        super().__init__(rank, peer_rank, device, timeout)
+        self._native = native
+
+    def _send(self, tensors):
+        self._native.send(tensors)
+
+    def _recv(self):
+        return self._native.recv()
+
+    def _shrink(self, slot_bytes):
+        return self._native.shrink(slot_bytes)
+
+    def _interrupt(self):
+        self._native.interrupt()
 
 
 def _copy_into(message: tuple, out: Sequence, direction: str) -> None:

@@ -12,7 +12,7 @@ import time
 import torch
 
 from pipecomm import _C
-from pipecomm.transport.channel import Channel, ChannelTimeoutError
+from pipecomm.transport.channel import ChannelTimeoutError, NativeChannel
 from pipecomm.transport.rendezvous import Rendezvous
 
 __all__ = ["IpcChannel"]
@@ -21,21 +21,19 @@ __all__ = ["IpcChannel"]
 _ABORT_PATIENCE_SECONDS = 0.5
 
 
-class IpcChannel(Channel):
+class IpcChannel(NativeChannel):
     """CUDA tensors between processes of one host.
 
     Once a receiver has seen a layout twice in a row, it posts buffers of that layout for the next
     messages; a send that finds its buffer posted copies straight into it (copy engines, no SMs) and
     the receive returns views of it without a copy. Otherwise a send copies into the peer's slot
     after a wait until the peer has consumed it, and the receive copies out. Flags written and waited
-    on by the streams order everything; the host never waits on the GPU.
+    on by the streams order everything; the host never waits on the GPU. A shrink takes effect after
+    the next num_slots messages (the peer may already be sending those into the old slots), and the
+    old memory then goes back to torch's caching allocator.
     """
 
     backend = "ipc"
-
-    def __init__(self, rank, peer_rank, device, timeout, native):
-        super().__init__(rank, peer_rank, device, timeout)
-        self._native = native
 
     @classmethod
     def open(cls, rendezvous: Rendezvous, device: torch.device, timeout: float, num_slots: int,
@@ -48,11 +46,6 @@ class IpcChannel(Channel):
         native.connect(rendezvous.get_peer("ipc"))
         return cls(rank, peer_rank, device, timeout, native)
 
-    def _shrink(self, slot_bytes):
-        # The peer may already be sending the next num_slots messages into the old slots: the smaller
-        # ones take over after those, and the old memory then goes back to torch's caching allocator.
-        return self._native.shrink(slot_bytes)
-
     @property
     def direct_messages(self) -> tuple[int, int]:
         """How many messages went straight into posted buffers: (sent, received)."""
@@ -62,15 +55,6 @@ class IpcChannel(Channel):
         """With PIPECOMM_IPC_HOST_TIMING=1 set before connect: for send and for recv, each phase's name,
         total host microseconds and calls (Python's own share is not in them). Empty lists otherwise."""
         return self._native.host_phase_times()
-
-    def _send(self, tensors):
-        self._native.send(tensors)
-
-    def _recv(self):
-        return self._native.recv()
-
-    def _interrupt(self):
-        self._native.interrupt()
 
     def _close(self):
         if not self._release_native("", self.timeout):
