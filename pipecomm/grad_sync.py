@@ -51,6 +51,12 @@ class SharedParameters:
             wait(Collective(lambda: dist.broadcast(data, src=holders[0], group=group, async_op=True),
                             [data], group, f"the broadcast of a shared parameter among ranks {holders}"))
 
+    def counted_by_another_rank(self) -> set[int]:
+        """ids of the shared parameters whose gradient a lower holder counts in a pipeline-wide norm: after
+        reduce_grads every holder has the same sum, which the norm must count once, as one process does."""
+        rank = dist.get_rank()
+        return {id(param) for param, holders, _ in self.entries if rank != holders[0]}
+
     def reduce_grads(self, sink_for: Callable[[nn.Parameter], GradientSink], wait: Callable[[Collective], None]) -> None:
         """Sums the gradients of the shared parameters that require grad (every holder freezes them alike)."""
         for param, holders, group in self.entries:

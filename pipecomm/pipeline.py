@@ -275,8 +275,11 @@ class Pipeline:
             raise ValueError(f"clip_grad_norm_: norm_type must be 2 or inf, not {norm_type}")
         with self._call("clip_grad_norm_"):
             grads = [g for sink in self._sinks.values() for p in sink.params if (g := sink.target(p)) is not None]
+            elsewhere = self._shared.counted_by_another_rank() if self._shared else set()
+            counted = [g for sink in self._sinks.values() for p in sink.params
+                       if id(p) not in elsewhere and (g := sink.target(p)) is not None]
             op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-            total = stage_norm(grads, norm_type).to(self._wire_device())
+            total = stage_norm(counted, norm_type).to(self._wire_device())
             if self.num_ranks > 1:
                 self._wait(Collective(lambda: dist.all_reduce(total, op=op, group=self.group, async_op=True),
                                       [total], self.group,

@@ -49,7 +49,7 @@ class ShardedStages:
             module.set_requires_gradient_sync(True, recurse=False)
         states = [fully_shard.state(module) for module in found]
         for state in states:
-            for group in state._fsdp_param_groups:
+            for group in _param_groups(state):
                 group.post_backward()
         for state in states:
             if state._is_root:  # waits for the reduce-scatters and settles FSDP's per-step state
@@ -61,6 +61,13 @@ class ShardedStages:
         for found in self.by_stage.values():
             for module in found:
                 module.reshard()
+
+
+def _param_groups(state) -> list:
+    """A fully_shard state's parameter groups: torch 2.13 keeps a list, torch 2.11 one group or None."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
 def _accumulate_unsharded(modules: list[FSDPModule]) -> None:

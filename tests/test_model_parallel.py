@@ -81,6 +81,10 @@ def tied_weights(rank: int, world_size: int) -> str:
         ref_loss = loss_fn(reference(inputs), targets)
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        # A bound small enough to scale every step: the tied weight, held by two ranks, counts once in the norm.
+        norm = pipe.clip_grad_norm_(0.05)
+        torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05),
+                                   rtol=1e-5, atol=1e-6)
         ref_params = dict(reference.named_parameters(remove_duplicate=False))
         for name, param in stage.named_parameters(remove_duplicate=False):
             # The tied weight's gradient sums the embedding's and the head's uses on both stages.

@@ -228,12 +228,25 @@ class DistChannel(Channel):
             # Read by the peer when its connection closes: a close, not a death.
             with contextlib.suppress(Exception):
                 self._rendezvous.set("closed", "1")
-            groups = [self._control] if self._outgoing is self._control else [self._control, self._outgoing, self._incoming]
+            groups = [self._control, *self._nccl_groups_in_pair_order()]
             for group in groups:
                 with contextlib.suppress(Exception):
-                    group.shutdown()
+                    # Shutting an NCCL communicator down waits for the peer to shut the same one down: a dead
+                    # peer never will, so its groups are aborted instead.
+                    if group is not self._control and self._peer_gone is not None:
+                        group.abort()
+                    else:
+                        group.shutdown()
             # Never destroyed: a gloo group or receive destroyed while the interpreter finalizes can abort the process.
             keep_forever([*groups, *(self._header or ()), *(self._slot or ())])
+
+    def _nccl_groups_in_pair_order(self) -> list:
+        """The two NCCL groups, the lower rank's outgoing one first, on both ends. Destroying a communicator is
+        collective among the GPUs of one host: with each end shutting its own outgoing group down first, each
+        would wait for the other (both ends hung so on 2 H100s, torch 2.11, NCCL 2.28)."""
+        if not self._nccl:
+            return []
+        return [self._outgoing, self._incoming] if self._pair_rank == 0 else [self._incoming, self._outgoing]
 
     def _signal_abort(self, reason):
         if self._peer_gone is not None:
@@ -248,7 +261,7 @@ class DistChannel(Channel):
     def _abort(self, reason):
         if self._nccl:
             # The peer will not post receives for sends this end queued: ncclCommAbort frees this GPU of them.
-            for group in (self._outgoing, self._incoming):
+            for group in self._nccl_groups_in_pair_order():
                 with contextlib.suppress(Exception):
                     group.abort()
 
