@@ -3,7 +3,8 @@
 Spawns --ranks p ranks (default 2; rank r on cuda:r, one NCCL process group). The model is a GPT
 block stack in bf16 (pre-norm causal self-attention through scaled_dot_product_attention, then a 4x
 MLP), --layers L (default 8), split into p stages of L/p layers (interleaved schedules: 2p
-chunks, rank r holds chunks r and r + p). The batch is micro_batch_size * micro_batches sequences;
+chunks, rank r holds chunks r and r + p; zb-v, torch's ZBVZeroBubble and DualPipeV: 2p chunks in a V, rank r
+holds chunks r and 2p - 1 - r). The batch is micro_batch_size * micro_batches sequences;
 the loss is the MSE against a random target. Each layer is initialised from its own seed, so every schedule trains the
 same model on the same data (the loss column must agree across rows).
 
@@ -15,10 +16,20 @@ slowest stage), the ideal 1F1B efficiency m / (m + p - 1), and each rank's peak 
 (torch.cuda.max_memory_allocated, reset before each schedule; model weights included; for CUDA-graph rows
 plus the free part of the graphs' private memory pools, which their replays reuse).
 
-Schedules: pipecomm gpipe, 1f1b, interleaved-1f1b (v=2), zb-h1, and 1f1b, interleaved-1f1b and zb-h1 with CUDA
-graphs (Pipeline(cuda_graphs=True), rows "+graphs"), and torch.distributed.pipelining's
-ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2) and ScheduleInterleavedZeroBubble (v=2)
-through PipelineStage, all in the same run. A schedule that fails is reported as an error string.
+Schedules: pipecomm gpipe, 1f1b, interleaved-1f1b (v=2), zb-h1, zb-v, zb-h2, auto, and 1f1b, interleaved-1f1b,
+zb-h1 and zb-v with CUDA graphs (Pipeline(cuda_graphs=True), rows "+graphs"), and torch.distributed.pipelining's
+ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2), ScheduleInterleavedZeroBubble (v=2),
+ScheduleZBVZeroBubble and ScheduleDualPipeV (V) through PipelineStage, all in the same run. A schedule that
+fails, or a torch schedule this torch lacks, is reported as an error string. "auto" (Pipeline(schedule="auto"))
+runs zb-h1 for its measured steps before timing starts, whatever --warmup says, and reports the schedule it
+planned and the F, I and W it planned for; its theory column is the plan's simulated bubble.
+
+Targets, against torch 1F1B in the same run: compute: pipecomm 1f1b >= 1.0x speed at <= 0.85x peak memory;
+the best pipecomm schedule >= 1.08x; the best at <= torch 1F1B's peak memory (the largest rank's; zb-h2, which
+may hold twice 1F1B's activations, reported apart) >= 1.15x at p = 2, >= 1.35x at p >= 4; overhead: 1f1b
+>= 1.25x; and per config, each pipecomm schedule faster than torch's of the same name (gpipe, 1f1b,
+interleaved-1f1b, zb-v against GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble).
+
 --smoke runs it on CPU (gloo, pipecomm's shared-memory channels, fp32, d=32, seq=16) to check the
 control flow; its numbers mean nothing. --cpu is a real CPU measurement (gloo, fp32, one thread per
 rank, d=128, seq=64, micro-batch size 2: a step of about 200 ms on two cores). --transport
@@ -48,7 +59,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipecomm.schedule import make_schedule, simulate
+from pipecomm.auto_schedule import MEASURED_STEPS, WARMUP_STEPS
+from pipecomm.schedule import looped_placement, make_schedule, simulate, v_placement
 
 from _common import RankFailure, environment, print_environment, print_table, spawn_ranks, start_rank, write_json
 
@@ -57,20 +69,31 @@ VIRTUAL = 2  # chunks per rank for the interleaved schedules
 GRAPHS = "+graphs"  # suffix: the same schedule with Pipeline(cuda_graphs=True)
 TRANSPORT = "@"  # "1f1b@dist": the schedule with Pipeline(transport="dist") (--transport)
 TRANSPORTS = ("auto", "shm", "dist", "ipc")
-PIPECOMM_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "1f1b" + GRAPHS, "interleaved-1f1b" + GRAPHS,
-                      "zb-h1" + GRAPHS]
+AUTO = "auto"  # Pipeline(schedule="auto"): zb-h1 while it measures F, I and W, then its plan
+PIPECOMM_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "zb-h2", AUTO, "1f1b" + GRAPHS,
+                      "interleaved-1f1b" + GRAPHS, "zb-h1" + GRAPHS, "zb-v" + GRAPHS]
 # torch rows whose schedule pipecomm also generates, for the theoretical bubble (torch's zero-bubble
-# schedule is a different one).
+# schedules are different ones).
 SAME_SCHEDULE = {"torch GPipe": "gpipe", "torch 1F1B": "1f1b", "torch Interleaved1F1B": "interleaved-1f1b"}
-TORCH_SCHEDULES = {  # row name -> (class name in torch.distributed.pipelining, chunks per rank)
-    "torch GPipe": ("ScheduleGPipe", 1),
-    "torch 1F1B": ("Schedule1F1B", 1),
-    "torch Interleaved1F1B": ("ScheduleInterleaved1F1B", VIRTUAL),
-    "torch InterleavedZB": ("ScheduleInterleavedZeroBubble", VIRTUAL),
+# Where a row's stages sit: "looped" one stage per rank, "interleaved" VIRTUAL looped stages per rank (stage s on
+# rank s % p), "v" two per rank in zb-v's V (rank r holds r and 2p - 1 - r).
+TORCH_SCHEDULES = {  # row name -> (class name in torch.distributed.pipelining, layout)
+    "torch GPipe": ("ScheduleGPipe", "looped"),
+    "torch 1F1B": ("Schedule1F1B", "looped"),
+    "torch Interleaved1F1B": ("ScheduleInterleaved1F1B", "interleaved"),
+    "torch InterleavedZB": ("ScheduleInterleavedZeroBubble", "interleaved"),
+    "torch ZBVZeroBubble": ("ScheduleZBVZeroBubble", "v"),
+    "torch DualPipeV": ("ScheduleDualPipeV", "v"),
 }
 BASELINE = "torch 1F1B"
 # The project's targets, against torch 1F1B in the same run.
 TARGET_COMPUTE_SPEED, TARGET_COMPUTE_MEMORY, TARGET_BEST_SPEED, TARGET_OVERHEAD_SPEED = 1.0, 0.85, 1.08, 1.25
+# The best pipecomm schedule at no more than torch 1F1B's peak memory, by pipeline depth (ranks < 4, ranks >= 4).
+TARGET_BEST_AT_MEMORY_SPEED = {2: 1.15, 4: 1.35}
+UNBOUNDED_MEMORY = "zb-h2"  # holds up to 2x 1F1B's activations: kept out of the memory-bound target, reported apart
+# pipecomm schedule -> torch's schedule of the same name, which it should beat.
+SAME_NAME = {"gpipe": "torch GPipe", "1f1b": "torch 1F1B", "interleaved-1f1b": "torch Interleaved1F1B",
+             "zb-v": "torch ZBVZeroBubble"}
 REFERENCE_TOLERANCE = 1e-4  # relative, fp32 on CPU: a row's loss against the one-process loss
 
 def columns(ranks: int) -> list[str]:
@@ -151,12 +174,32 @@ def build_chunk(layers: range, config: Config, device: torch.device, dtype: torc
     return nn.Sequential(*blocks).to(dtype)
 
 
-def chunk_layers(rank: int, ranks: int, chunks_per_rank: int, layers: int) -> list[tuple[int, range]]:
-    """(stage index, layers) held by rank: stage s = rank + chunk * ranks, layers / stages layers each."""
-    num_stages = ranks * chunks_per_rank
-    per_stage = layers // num_stages
-    stages = [rank + chunk * ranks for chunk in range(chunks_per_rank)]
-    return [(stage, range(stage * per_stage, (stage + 1) * per_stage)) for stage in stages]
+def base_schedule(row_name: str) -> str:
+    """A pipecomm row's schedule name without its +graphs and @transport suffixes."""
+    return row_name.partition(TRANSPORT)[0].removesuffix(GRAPHS)
+
+
+def layout_of(row_name: str) -> str:
+    """Where a row's stages sit (see TORCH_SCHEDULES)."""
+    if row_name in TORCH_SCHEDULES:
+        return TORCH_SCHEDULES[row_name][1]
+    schedule = base_schedule(row_name)
+    return "interleaved" if schedule.startswith("interleaved") else "v" if schedule == "zb-v" else "looped"
+
+
+def placement(layout: str, ranks: int) -> tuple[int, ...]:
+    """Stage -> rank for a layout (see TORCH_SCHEDULES)."""
+    if layout == "v":
+        return v_placement(ranks)
+    return looped_placement(ranks, ranks * (VIRTUAL if layout == "interleaved" else 1))
+
+
+def chunk_layers(stage_ranks: tuple[int, ...], rank: int, layers: int) -> list[tuple[int, range]]:
+    """(stage index, layers) of each stage that rank holds under stage_ranks (stage -> rank), in stage order;
+    every stage gets layers / stages consecutive layers."""
+    per_stage = layers // len(stage_ranks)
+    return [(stage, range(stage * per_stage, (stage + 1) * per_stage))
+            for stage, holder in enumerate(stage_ranks) if holder == rank]
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -265,7 +308,7 @@ class Rank:
     def compute_ms(self, config: Config) -> tuple[float, dict[str, float] | None]:
         """One stage (this rank's layers), forward + backward of one micro-batch, no pipeline: median ms, and
         the stage's 1F1B memory floor."""
-        [(stage, layers)] = chunk_layers(self.rank, self.args.ranks, 1, self.args.layers)
+        [(stage, layers)] = chunk_layers(placement("looped", self.args.ranks), self.rank, self.args.layers)
         module = build_chunk(layers, config, self.device, self.dtype)
         inputs, target = self.batch(config)
         micro_inputs = inputs[: config.micro_batch_size].clone()
@@ -323,14 +366,14 @@ class Rank:
         schedule, _, backend = schedule.partition(TRANSPORT)
         cuda_graphs = schedule.endswith(GRAPHS)
         schedule = schedule.removesuffix(GRAPHS)
-        chunks = VIRTUAL if schedule.startswith("interleaved") else 1
-        held = chunk_layers(self.rank, self.args.ranks, chunks, self.args.layers)
+        stage_ranks = placement(layout_of(schedule), self.args.ranks)
+        held = chunk_layers(stage_ranks, self.rank, self.args.layers)
         modules = [build_chunk(layers, config, self.device, self.dtype) for _, layers in held]
         stages = [stage for stage, _ in held]
         pipe = pipecomm.Pipeline(
-            modules if chunks > 1 else modules[0],
-            stage=stages if chunks > 1 else stages[0],
-            num_stages=self.args.ranks * chunks,
+            modules if len(modules) > 1 else modules[0],
+            stage=stages if len(stages) > 1 else stages[0],
+            num_stages=len(stage_ranks),
             loss_fn=loss_fn,
             micro_batches=config.micro_batches,
             schedule=schedule,
@@ -353,16 +396,19 @@ class Rank:
     def torch_runner(self, config: Config, name: str) -> tuple[Callable[[], torch.Tensor | None], Callable[[], None], None]:
         import torch.distributed.pipelining as pipelining
 
-        class_name, chunks = TORCH_SCHEDULES[name]
-        schedule_class = getattr(pipelining, class_name)
-        held = chunk_layers(self.rank, self.args.ranks, chunks, self.args.layers)
+        class_name, layout = TORCH_SCHEDULES[name]
+        schedule_class = getattr(pipelining, class_name, None)
+        if schedule_class is None:  # the newer schedules are missing from older torch releases
+            raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.pipelining.{class_name}")
+        stage_ranks = placement(layout, self.args.ranks)
+        held = chunk_layers(stage_ranks, self.rank, self.args.layers)
         modules = [build_chunk(layers, config, self.device, self.dtype) for _, layers in held]
-        stages = [pipelining.PipelineStage(module, stage, self.args.ranks * chunks, self.device)
+        stages = [pipelining.PipelineStage(module, stage, len(stage_ranks), self.device)
                   for module, (stage, _) in zip(modules, held)]
-        schedule = schedule_class(stages if chunks > 1 else stages[0], config.micro_batches, loss_fn=loss_fn)
+        schedule = schedule_class(stages if len(stages) > 1 else stages[0], config.micro_batches, loss_fn=loss_fn)
         inputs, target = self.batch(config)
         first = any(stage == 0 for stage, _ in held)
-        last = any(stage == self.args.ranks * chunks - 1 for stage, _ in held)
+        last = any(stage == len(stage_ranks) - 1 for stage, _ in held)
         extra = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
 
         def step() -> torch.Tensor | None:
@@ -379,6 +425,22 @@ class Rank:
 
         return step, lambda: None, None
 
+    def run_until_planned(self, step: Callable[[], torch.Tensor], pipe: Any, result: dict[str, Any]) -> torch.Tensor:
+        """schedule="auto" after its first step: the rest of its measured steps (zb-h1), then one untimed step of its
+        plan, whose loss it returns, so that the row checks, times and (peak memory) measures the plan alone. Notes
+        the plan."""
+        for _ in range(WARMUP_STEPS + MEASURED_STEPS - 1):
+            step()
+        if pipe.planned_costs is None:
+            raise RuntimeError(f"auto has not planned after {WARMUP_STEPS + MEASURED_STEPS} steps")
+        result["planned_schedule"] = pipe.schedule.name
+        result["planned_costs_ms"] = {kind: seconds * 1e3 for kind, seconds in pipe.planned_costs.items()}
+        result["planned_theory"] = simulate(pipe.schedule).bubble_fraction
+        if self.cuda:
+            self.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return step()
+
     def run_schedule(self, config: Config, name: str) -> dict[str, Any]:
         result: dict[str, Any] = {"config": config.name, "schedule": name, "rank": self.rank}
         self.release()
@@ -390,6 +452,8 @@ class Rank:
             else:
                 step, close, pipe = self.pipecomm_runner(config, name)
             loss = step()  # first step: connects, infers shapes; not timed
+            if base_schedule(name) == AUTO:
+                loss = self.run_until_planned(step, pipe, result)
             result["loss"] = float(loss) if loss is not None else None
             self.synchronize()
             samples, wall_ms = self.time_steps(step, self.args.warmup, self.args.steps)
@@ -494,10 +558,16 @@ def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -
             row["bubble"] = 1 - row["eff"] if row["eff"] is not None else None
             for rank, r in enumerate(per_rank):
                 row[f"mem{rank}_GB"] = r.get("peak_gb")
+            if "planned_schedule" in per_rank[0]:
+                # Every rank plans from the same all-reduced costs, so rank 0's plan is everyone's.
+                row["planned_schedule"] = per_rank[0]["planned_schedule"]
+                row["planned_costs_ms"] = per_rank[0]["planned_costs_ms"]
+                row["theory"] = per_rank[0]["planned_theory"]
             if all("rank_bubble" in r for r in per_rank):
                 row["rank_bubble"] = "/".join(f"{r['rank_bubble']:.3f}" for r in per_rank)
             losses = [r.get("loss") for r in per_rank]
-            row["loss"] = losses[-1]  # the last stage is on the last rank in every layout
+            # pipecomm returns the loss on every rank, torch on the last stage's rank (rank 0 in the V) only.
+            row["loss"] = next((loss for loss in reversed(losses) if loss is not None), None)
             row["loss_per_rank"] = losses
             row["step_ms_samples"] = [r["step_ms"] for r in per_rank]
         rows.append(row)
@@ -538,10 +608,10 @@ def memory_floor_line(summary: dict[str, Any], rows: list[dict[str, Any]], ranks
 
 def theoretical_bubble(row_name: str, ranks: int, micro_batches: int) -> float | None:
     """The schedule's bubble fraction simulated with F = 1, B = 2 (I = W = 1) and free transfers."""
-    name = SAME_SCHEDULE.get(row_name, row_name).partition(TRANSPORT)[0].removesuffix(GRAPHS)
-    if name not in PIPECOMM_SCHEDULES:
+    name = base_schedule(SAME_SCHEDULE.get(row_name, row_name))
+    if name not in PIPECOMM_SCHEDULES or name == AUTO:  # auto's comes from the plan it made (rows_for)
         return None
-    virtual = VIRTUAL if name.startswith("interleaved") else 1
+    virtual = VIRTUAL if name.startswith("interleaved") else None
     return simulate(make_schedule(name, ranks, micro_batches, virtual)).bubble_fraction
 
 
@@ -550,8 +620,9 @@ def peak(row: dict[str, Any], ranks: int) -> float | None:
     return max(values) if all(value is not None for value in values) else None
 
 
-def targets(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The project's targets against torch 1F1B in the same run; n/a when a number is missing."""
+def targets(rows: dict[str, list[dict[str, Any]]], ranks: int) -> list[dict[str, Any]]:
+    """The project's targets against torch 1F1B, and each pipecomm schedule against torch's of the same name, in the
+    same run; n/a when a number is missing. Entries with the verdict "info" are reported beside them, not targets."""
     def find(config: str, schedule: str) -> dict[str, Any]:
         return next((r for r in rows.get(config, []) if r["schedule"] == schedule), {})
 
@@ -579,6 +650,38 @@ def targets(rows: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
                             "step speed",
                   "value": f"{best['schedule']} {fmt(speed, 'x')}" if best else "not measured",
                   "verdict": verdict(None if speed is None else speed >= TARGET_OVERHEAD_SPEED)})
+    found.extend(memory_bound_targets(rows.get("compute", []), ranks))
+    for config, config_rows in rows.items():
+        names = {r["schedule"] for r in config_rows}
+        for ours, theirs in SAME_NAME.items():
+            if ours in names and theirs in names:
+                ours_ms, theirs_ms = find(config, ours).get("step_ms"), find(config, theirs).get("step_ms")
+                speed = theirs_ms / ours_ms if ours_ms and theirs_ms else None
+                found.append({"target": f"{config}: same name: pipecomm {ours} faster than {theirs}",
+                              "value": f"{theirs.removeprefix('torch ')} / {ours} step time {fmt(speed, 'x')}",
+                              "verdict": verdict(None if speed is None else speed > 1.0)})
+    return found
+
+
+def memory_bound_targets(compute_rows: list[dict[str, Any]], ranks: int) -> list[dict[str, Any]]:
+    """The best pipecomm schedule whose largest rank's peak memory is at most torch 1F1B's (zb-h2 left out), and
+    zb-h2 on its own line ("info"), on the compute-bound config."""
+    goal = TARGET_BEST_AT_MEMORY_SPEED[2 if ranks < 4 else 4]
+    measured = [r for r in compute_rows if r["schedule"] in PIPECOMM_SCHEDULES and "speed_vs_torch_1f1b" in r]
+    fitting = [r for r in measured if base_schedule(r["schedule"]) != UNBOUNDED_MEMORY
+               and r.get("mem/torch_1f1b") is not None and r["mem/torch_1f1b"] <= 1.0]
+    best = max(fitting, key=lambda r: r["speed_vs_torch_1f1b"], default=None)
+    speed = best["speed_vs_torch_1f1b"] if best else None
+    found = [{"target": f"compute: best pipecomm schedule at <= torch 1F1B's peak memory (largest rank's; "
+                        f"{UNBOUNDED_MEMORY} apart) >= {goal:g}x torch 1F1B step speed at p = {ranks}",
+              "value": (f"{best['schedule']} speed {fmt(speed, 'x')}, memory {fmt(best['mem/torch_1f1b'], 'x')}"
+                        if best else "not measured"),
+              "verdict": "n/a" if speed is None else ("PASS" if speed >= goal else "FAIL")}]
+    for row in measured:
+        if base_schedule(row["schedule"]) == UNBOUNDED_MEMORY:
+            found.append({"target": f"compute: {row['schedule']} (up to 2x 1F1B's activations) against torch 1F1B",
+                          "value": f"speed {fmt(row['speed_vs_torch_1f1b'], 'x')}, "
+                                   f"memory {fmt(row.get('mem/torch_1f1b'), 'x')}", "verdict": "info"})
     return found
 
 
@@ -650,11 +753,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "instead of at its own")
     parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks, one GPU each (2, 4 or 8)")
     parser.add_argument("--layers", type=int, default=8,
-                        help="GPT layers; divisible by 2 x ranks (the interleaved schedules' stage count)")
+                        help="GPT layers; divisible by 2 x ranks (the interleaved and V schedules' stage count)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per schedule; the median is reported")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (after one connecting step)")
     parser.add_argument("--timeout", type=int, default=120, help="seconds for init, connect and any one wait")
-    parser.add_argument("--deadline", type=float, default=420.0, help="seconds before the ranks are killed")
+    parser.add_argument("--deadline", type=float, default=900.0, help="seconds before the ranks are killed")
     parser.add_argument("--trace", metavar="DIR",
                         help="pipecomm rows: time compute actions with CUDA events (Pipeline(device_timing=True)), "
                              "write DIR/<config>-<schedule>.json Chrome traces of the last step and report each "
@@ -674,7 +777,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.mode = "smoke" if args.smoke else "cpu" if args.cpu else "gpu"
     if args.smoke:
         # Only options left at their defaults shrink, so a smoke run can still be steered.
-        for name, value in (("steps", 2), ("warmup", 1), ("timeout", 30), ("deadline", 240.0)):
+        for name, value in (("steps", 2), ("warmup", 1), ("timeout", 30), ("deadline", 420.0)):
             if getattr(args, name) == parser.get_default(name):
                 setattr(args, name, value)
     args.config_list = (list(CONFIGS) if args.configs == "all"
@@ -764,10 +867,15 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"# {name}: pipecomm {row['schedule']} / {BASELINE} step time = "
                       f"{row['step_ms']:.2f} / {row['step_ms'] / row['step_vs_torch_1f1b']:.2f} ms = "
                       f"{row['step_vs_torch_1f1b']:.3f}")
+        for row in rows:
+            if "planned_schedule" in row:
+                costs = "/".join(f"{row['planned_costs_ms'][kind]:.3f}" for kind in ("F", "I", "W"))
+                print(f"# {name}: {row['schedule']} planned {row['planned_schedule']} for the slowest rank's "
+                      f"F/I/W = {costs} ms (theory = its simulated bubble)")
         if "reference_loss" in summary:
             print(f"# {name}: one-process loss {summary['reference_loss']:.6f}; largest relative difference of a "
                   f"row's first-step loss {summary['reference_spread']} (tolerance {REFERENCE_TOLERANCE:g})")
-    goals = targets(all_rows)
+    goals = targets(all_rows, args.ranks)
     print()
     spread = loss_spread(all_rows)
     if spread is not None:
@@ -775,7 +883,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# same model and data: largest relative loss difference between schedules {spread:.2e} "
               f"({'ok' if spread <= (1e-4 if args.mode != 'gpu' else 2e-2) else 'MISMATCH'})")
     for goal in goals:
-        print(f"# target: {goal['target']}: {goal['value']} {goal['verdict']}"
+        label, verdict = ("info", "") if goal["verdict"] == "info" else ("target", f" {goal['verdict']}")
+        print(f"# {label}: {goal['target']}: {goal['value']}{verdict}"
               + (f" ({args.mode} run: meaningless)" if args.mode != "gpu" else ""))
     if failure:
         print(f"# RUN FAILED (results above are partial): {failure}")

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import pipecomm
@@ -95,6 +96,60 @@ class Data:
         return tokens[:, :-1], tokens[:, 1:]
 
 
+VOCAB = 256  # byte-level
+
+
+def build_stages(context: pipecomm.ParallelContext, hidden: int, heads: int, layers: int, seq: int, stages: list[int],
+                 fsdp: bool) -> tuple[GPT, list[nn.Module]]:
+    """The whole GPT (every rank builds the same one) and this rank's stages of it (``stages``: the same count on
+    every rank), split by parameter count, their blocks tensor-parallel over the "tp" mesh and, with ``fsdp``, sharded
+    over the "dp" mesh."""
+    torch.manual_seed(0)
+    model = GPT(VOCAB, hidden, heads, layers, seq)
+    modules = pipecomm.split(model, context.num_stages * len(stages), stages, balance="parameters",
+                             device=context.device)
+    for block in (layer for module in modules for layer in module.modules() if isinstance(layer, Block)):
+        if context.tensor_size > 1:
+            block.parallelize(context.mesh["tp"])
+        if fsdp:
+            fully_shard(block, mesh=context.mesh["dp"])  # the tied embedding and head stay replicated
+    return model, modules
+
+
+def build_pipeline(context: pipecomm.ParallelContext, modules: list[nn.Module], stages: list[int], micro_batches: int,
+                   schedule: str = "1f1b", **options) -> pipecomm.Pipeline:
+    """A Pipeline of this rank's stages over pipecomm.init's pipeline and data-parallel groups; ``options`` are
+    Pipeline's own (cuda_graphs, recompute, ...)."""
+    return pipecomm.Pipeline(modules, stage=stages, num_stages=context.num_stages * len(stages), loss_fn=loss_fn,
+                             micro_batches=micro_batches, schedule=schedule, group=context.pipeline_group,
+                             data_group=context.data_group, device=context.device, **options)
+
+
+def replica_batch(data: Data, step: int, context: pipecomm.ParallelContext,
+                  size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel replica's sequences of a step: each replica draws its own."""
+    return data.batch(step * context.data_size + context.dp_rank, size)
+
+
+def make_optimizer(parameters, lr: float) -> torch.optim.AdamW:
+    """AdamW over a stage's parameters. Under tensor parallelism or FSDP some are DTensors and some (the replicated
+    embedding, head and norms) plain tensors, a mix that the multi-tensor kernels AdamW uses on GPUs refuse."""
+    parameters = list(parameters)
+    mixed = len({isinstance(param, DTensor) for param in parameters}) > 1
+    return torch.optim.AdamW(parameters, lr=lr, foreach=False if mixed else None)
+
+
+def train_step(pipe: pipecomm.Pipeline, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
+               max_grad_norm: float | None = 1.0) -> torch.Tensor:
+    """Forward, backward, clipping (unless ``max_grad_norm`` is None) and the optimizer's step; returns the loss."""
+    loss = pipe.step(inputs, target=targets)
+    if max_grad_norm is not None:
+        pipe.clip_grad_norm_(max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / dp)")
@@ -125,30 +180,19 @@ def main() -> None:
     num_stages = context.num_stages * virtual
     if args.layers % num_stages:
         raise SystemExit(f"--layers {args.layers} must be divisible by the {num_stages} stages")
-    torch.manual_seed(0)  # every rank builds the same model, then keeps its own stages
-    model = GPT(256, args.hidden, args.heads, args.layers, args.seq)
     # "auto" starts from zb-h1 and plans for the stages it was given; zb-v places two per rank in a V.
     planned_as = "zb-h1" if args.schedule == "auto" else args.schedule
     stages = list(make_schedule(planned_as, context.num_stages, args.micro_batches, virtual).stages_of(context.stage))
-    modules = pipecomm.split(model, num_stages, stages if virtual > 1 else stages[0], balance="parameters",
-                             device=context.device)
-    held = modules if isinstance(modules, list) else [modules]
-    for block in (layer for module in held for layer in module.modules() if isinstance(layer, Block)):
-        if args.tp > 1:
-            block.parallelize(context.mesh["tp"])
-        if args.fsdp:
-            fully_shard(block, mesh=context.mesh["dp"])  # the tied embedding and head stay replicated
-    pipe = pipecomm.Pipeline(
-        modules, stage=stages if virtual > 1 else stages[0], num_stages=num_stages, loss_fn=loss_fn,
-        micro_batches=args.micro_batches, schedule=args.schedule, group=context.pipeline_group,
-        data_group=context.data_group, device=context.device, cuda_graphs=args.cuda_graphs,
+    model, modules = build_stages(context, args.hidden, args.heads, args.layers, args.seq, stages, args.fsdp)
+    pipe = build_pipeline(
+        context, modules, stages, args.micro_batches, args.schedule, cuda_graphs=args.cuda_graphs,
         device_timing=context.device.type == "cuda",  # the bubble the GPUs saw, not the host's launch time
         recompute=args.recompute,
     )
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-    data = Data(args.data, args.seq, 256)
-    replica_batch = args.micro_batches * args.micro_batch_size
-    global_tokens = replica_batch * args.seq * context.data_size
+    optimizer = make_optimizer(pipe.parameters(), args.lr)
+    data = Data(args.data, args.seq, VOCAB)
+    batch_size = args.micro_batches * args.micro_batch_size  # per replica
+    global_tokens = batch_size * args.seq * context.data_size
     theory = simulate(make_schedule(planned_as, context.num_stages, args.micro_batches, virtual)).bubble_fraction
     reporter = context.stage == context.num_stages - 1 and context.dp_rank == 0 and context.tp_rank == 0
     if reporter:
@@ -156,12 +200,9 @@ def main() -> None:
               f"dp={context.data_size}{' (FSDP)' if args.fsdp else ''} tp={context.tensor_size} on {context.device.type}, schedule {args.schedule}, "
               f"theoretical bubble {theory:.3f}", flush=True)
     for step in range(1, args.steps + 1):
-        inputs, targets = data.batch(step * context.data_size + context.dp_rank, replica_batch)
+        inputs, targets = replica_batch(data, step, context, batch_size)
         started = time.perf_counter()
-        loss = pipe.step(inputs, target=targets)
-        pipe.clip_grad_norm_(1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+        loss = train_step(pipe, optimizer, inputs, targets)
         loss_value = loss.item()  # logging syncs once per step
         elapsed = time.perf_counter() - started
         if reporter:

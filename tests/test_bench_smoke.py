@@ -43,6 +43,47 @@ def test_e2e_smoke_sweeps_micro_batch_counts(tmp_path):
         assert max(row["loss"] for row in rows) == pytest.approx(min(row["loss"] for row in rows), rel=1e-5)
 
 
+def test_e2e_smoke_runs_the_v_zero_bubble_and_auto_rows(tmp_path):
+    # 4 micro-batches: DualPipeV needs as many as stages (2 x 2 ranks in the V).
+    schedules = ["zb-v", "zb-h2", "auto", "torch 1F1B", "torch ZBVZeroBubble", "torch DualPipeV"]
+    result = run_bench("e2e.py", "--configs", "compute", "--micro-batches", "4", "--steps", "1", "--warmup", "0",
+                       "--schedules", ",".join(schedules), "--json", str(tmp_path / "e2e.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "e2e.json").read_text())
+    rows = {row["schedule"]: row for row in report["rows"]["compute-m4"]}
+    assert list(rows) == schedules
+    assert all("error" not in row and row["step_ms"] > 0 for row in rows.values()), rows
+    losses = [row["loss"] for row in rows.values()]
+    assert max(losses) == pytest.approx(min(losses), rel=1e-5)
+    auto = rows["auto"]
+    assert auto["planned_schedule"] and set(auto["planned_costs_ms"]) == {"F", "I", "W"}
+    assert 0 <= auto["theory"] < 1 and 0 <= rows["zb-v"]["theory"] < rows["torch 1F1B"]["theory"]
+    assert f"compute-m4: auto planned {auto['planned_schedule']} for" in result.stdout
+    goals = {goal["target"]: goal for goal in report["targets"]}
+    assert goals["compute-m4: same name: pipecomm zb-v faster than torch ZBVZeroBubble"]["verdict"] in ("PASS", "FAIL")
+    assert any(target.startswith("compute: best pipecomm schedule at <= torch 1F1B's peak memory") for target in goals)
+
+
+def test_e2e_memory_bound_target_leaves_zb_h2_apart(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import e2e
+
+    def row(schedule, speed, memory):
+        return {"schedule": schedule, "step_ms": 100 / speed, "speed_vs_torch_1f1b": speed, "mem/torch_1f1b": memory}
+
+    rows = {"compute": [row("torch 1F1B", 1.0, 1.0), row("1f1b", 1.1, 0.8), row("zb-v", 1.4, 1.0),
+                        row("zb-h2", 1.6, 1.7), row("auto", 1.5, 1.05), row("torch ZBVZeroBubble", 1.2, 1.0)]}
+    goals = {goal["target"].split(" >= ")[0]: goal for goal in e2e.targets(rows, ranks=4)}
+    bound = goals["compute: best pipecomm schedule at <= torch 1F1B's peak memory (largest rank's; zb-h2 apart)"]
+    assert bound["target"].endswith(">= 1.35x torch 1F1B step speed at p = 4")
+    assert bound["value"].startswith("zb-v speed 1.400x") and bound["verdict"] == "PASS"
+    assert goals["compute: best pipecomm schedule"]["value"] == "zb-h2 1.600x"
+    zb_h2 = next(goal for goal in goals.values() if goal["verdict"] == "info")
+    assert zb_h2["value"] == "speed 1.600x, memory 1.700x"
+    assert goals["compute: same name: pipecomm 1f1b faster than torch 1F1B"]["verdict"] == "PASS"
+    assert goals["compute: same name: pipecomm zb-v faster than torch ZBVZeroBubble"]["value"].endswith("1.167x")
+
+
 def test_host_split_smoke_times_send_and_recv_apart(tmp_path):
     result = run_bench("host_split.py", "--rounds", "4", "--per-round", "8", "--json", str(tmp_path / "split.json"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -107,3 +148,17 @@ def test_inference_smoke_compares_with_torch_and_agrees(tmp_path):
     assert set(rows) == {"looped", "interleaved", "v"}
     assert all(row["pipecomm_ms"] > 0 and row["outputs_agree"] for row in rows.values())
     assert rows["looped"]["torch_ms"] > 0 and rows["interleaved"]["torch_ms"] > 0 and rows["v"]["torch_ms"] is None
+
+
+@pytest.mark.parametrize("composition", ["fsdp", "tp"])
+def test_parallel_3d_smoke_engines_agree_on_the_loss(tmp_path, composition):
+    # Two spawns of 4 ranks each; the time is mostly their start on a small machine.
+    result = run_bench("parallel_3d.py", "--composition", composition, "--json", str(tmp_path / "3d.json"),
+                       timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "3d.json").read_text())
+    rows = {row["engine"]: row for row in report["rows"]}
+    assert set(rows) == {"pipecomm", "torch"}
+    assert all("error" not in row and row["tokens_per_s"] > 0 for row in rows.values()), rows
+    assert rows["pipecomm"]["loss_step1"] == pytest.approx(rows["torch"]["loss_step1"], rel=1e-4)
+    assert report["ratios"]["loss_step1_rel_diff"] <= 1e-4
