@@ -67,10 +67,10 @@ def main() -> None:
     planned_as = "zb-h1" if args.schedule == "auto" else args.schedule
     stages = list(make_schedule(planned_as, context.num_stages, args.micro_batches, per_rank).stages_of(context.stage))
     inputs, labels = batch(0, args)
-    held = pipecomm.split(model, num_stages, stages if per_rank > 1 else stages[0],
-                          example_inputs=(inputs[: args.micro_batch_size],), device=context.device)
+    held = pipecomm.split(model, num_stages, stages, example_inputs=(inputs[: args.micro_batch_size],),
+                          device=context.device)
     on_gpu = context.device.type == "cuda"
-    pipe = pipecomm.Pipeline(held, stage=stages if per_rank > 1 else stages[0], num_stages=num_stages,
+    pipe = pipecomm.Pipeline(held, stage=stages, num_stages=num_stages,
                              loss_fn=loss_fn, micro_batches=args.micro_batches, schedule=args.schedule,
                              group=context.pipeline_group, data_group=context.data_group, device=context.device,
                              device_timing=on_gpu)  # the bubble the GPUs saw, not the host's launch time

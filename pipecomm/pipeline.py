@@ -274,10 +274,10 @@ class Pipeline:
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"clip_grad_norm_: norm_type must be 2 or inf, not {norm_type}")
         with self._call("clip_grad_norm_"):
-            grads = [g for sink in self._sinks.values() for p in sink.params if (g := sink.target(p)) is not None]
+            held = [(p, g) for sink in self._sinks.values() for p in sink.params if (g := sink.target(p)) is not None]
+            grads = [grad for _, grad in held]
             elsewhere = self._shared.counted_by_another_rank() if self._shared else set()
-            counted = [g for sink in self._sinks.values() for p in sink.params
-                       if id(p) not in elsewhere and (g := sink.target(p)) is not None]
+            counted = [grad for param, grad in held if id(param) not in elsewhere]
             op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
             total = stage_norm(counted, norm_type).to(self._wire_device())
             if self.num_ranks > 1:
