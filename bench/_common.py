@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import time
@@ -199,6 +201,14 @@ def start_rank(rank: int, world_size: int, store_port: int, smoke: bool, timeout
     return device, store
 
 
+def _dump_stacks(processes: list) -> None:
+    """Has each live process print its threads' Python stacks to standard error, and gives them a moment to."""
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGUSR1)
+    time.sleep(2)
+
+
 def _rank_entry(rank: int, world_size: int, store_port: int, messages: Any, fn: Callable[..., Any],
                 args: tuple) -> None:
     import contextlib
@@ -209,6 +219,8 @@ def _rank_entry(rank: int, world_size: int, store_port: int, messages: Any, fn: 
     def report(payload: Any) -> None:
         messages.put(("report", rank, payload))
 
+    # So that a rank past the deadline shows where it waits before it is killed (_dump_stacks).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         value = fn(rank, world_size, store_port, report, *args)
     except BaseException:
@@ -250,7 +262,9 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, de
             now = time.monotonic()
             if now > end:
                 missing = sorted(set(range(world_size)) - set(outcomes))
-                raise RankFailure(f"ranks {missing} still running after the {deadline:g} s deadline; killed")
+                _dump_stacks([processes[rank] for rank in missing])
+                raise RankFailure(f"ranks {missing} still running after the {deadline:g} s deadline; killed "
+                                  "(their Python stacks are on standard error)")
             try:
                 kind, rank, payload = messages.get(timeout=max(min(0.5, end - now), 0.01))
             except queue.Empty:

@@ -151,8 +151,10 @@ class StructureChannel:
     """Sends a structure as ``(header, *tensors)`` over a channel of flat tensor tuples.
 
     The header (the layout, each tensor's ``requires_grad`` and the micro-batch count) is pickled
-    into a uint8 tensor only when it differs from the last one sent; otherwise its slot is None, so a
-    steady-state message costs one None entry and no pickling. Received tensors that required grad on
+    only when it differs from the last one sent: into a uint8 tensor in its slot, or, over a channel
+    that carries notes on the host, into a note, an empty tensor in its slot, so that neither end waits
+    for the GPU. Otherwise its slot is None, so a steady-state message costs one None entry and no
+    pickling. Received tensors that required grad on
     the sender become leaves that require grad; only for those does the receiver compute gradients.
     """
 
@@ -168,14 +170,19 @@ class StructureChannel:
         encoded = None
         if not _same_header(header, self._sent):
             data = serialize(header.layout, (header.requires_grad, micro_batches, batch_size), "a stage's output")
-            encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+            if self.channel.carries_notes:  # the bytes go on the host; an empty tensor says they come
+                self.channel.send_note(data)
+                encoded = torch.empty(0, dtype=torch.uint8, device=self.device)
+            else:
+                encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
             self._sent = header
         self.channel.send((encoded, *(tensor.detach() for tensor in flat.tensors)))
 
     def recv(self) -> Received:
         encoded, *tensors = self.channel.recv()
         if encoded is not None:
-            layout, (requires_grad, micro_batches, batch_size) = deserialize(encoded.cpu().numpy().tobytes())
+            data = self.channel.recv_note() if self.channel.carries_notes else encoded.cpu().numpy().tobytes()
+            layout, (requires_grad, micro_batches, batch_size) = deserialize(data)
             self._received = _Header(layout, requires_grad, micro_batches, batch_size)
         header = self._received
         if header is None:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from pipecomm.parallel import uses_nccl
 from pipecomm.transport.channel import PeerDiedError
 from pipecomm.transport.lifetime import keep_forever
 
@@ -98,7 +99,7 @@ class Collective:
 
     def wait(self, timeout: float, notes: FailureNotes | None, global_rank: int) -> None:
         work, self.work = self.work, None
-        if dist.get_backend(self.group) == "nccl":
+        if uses_nccl(self.group) and any(tensor.is_cuda for tensor in self.tensors):
             work.wait()  # orders the streams only; NCCL's watchdog bounds it
             return
         deadline = time.monotonic() + timeout

@@ -86,6 +86,12 @@ def init(pipeline_size: int | None = None, data_size: int = 1, tensor_size: int 
     )
 
 
+def uses_nccl(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether CUDA tensors cross ``group`` (the default one if None) over NCCL: its backend is "nccl" or a
+    per-device mix such as "cpu:gloo,cuda:nccl"."""
+    return "nccl" in str(dist.get_backend(group))
+
+
 def named_mesh(names: tuple[str, ...]) -> DeviceMesh:
     """This rank's submesh of ``pipecomm.init``'s mesh with these dimension names (e.g. ("tp",))."""
     if _mesh is None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipecomm.capture import capture_split
+from pipecomm.parallel import uses_nccl
 
 __all__ = ["BALANCE_MODES", "StageModule", "merge_checkpoints", "split"]
 
@@ -407,7 +408,7 @@ def _agreed(costs: list[float]) -> list[float]:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return costs
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl() else torch.device("cpu")
     total = torch.tensor(costs, dtype=torch.float64, device=device)
     dist.all_reduce(total)
     return (total / dist.get_world_size()).tolist()

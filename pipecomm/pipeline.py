@@ -23,6 +23,7 @@ from pipecomm.auto_schedule import CostMeter, initial_schedule
 from pipecomm.executor import GradientSink, StageExecutor
 from pipecomm.failure import Collective, FailureNotes, PeerFailedError, describe
 from pipecomm.grad_sync import DataParallelGrads, SharedParameters, local_shard, stage_norm
+from pipecomm.parallel import uses_nccl
 from pipecomm.partition import StageModule
 from pipecomm.planner import plan_schedule
 from pipecomm.recompute import checkpoint_stages
@@ -231,7 +232,10 @@ class Pipeline:
             if self._loss_wire is None:  # one buffer for every step's broadcast: see transport.keep_forever
                 self._loss_wire = torch.zeros((), dtype=torch.float32, device=self._wire_device())
                 keep_forever([self._loss_wire])
-            self._loss_wire.copy_(loss if loss is not None else torch.zeros(()))
+            if loss is None:
+                self._loss_wire.zero_()
+            else:
+                self._loss_wire.copy_(loss)
             self._broadcast(self._loss_wire, "the loss")
             return self._loss_wire.to(self.device, copy=True)
 
@@ -370,7 +374,9 @@ class Pipeline:
         _live.discard(self)
         self._undo_deferral()
         self._undo_recompute()
-        for channel in set(self._channels.values()):
+        # In the order they opened, the same on every rank: closing an NCCL-backed channel waits for its peer
+        # to close the same one (a set's order, which differs between processes, hung two H100s so).
+        for channel in self._opened_channels():
             channel.close()
 
     # -- internals -----------------------------------------------------------------------------
@@ -461,7 +467,7 @@ class Pipeline:
         for undo in (self._undo_deferral, self._undo_recompute):
             with contextlib.suppress(Exception):
                 undo()
-        for channel in set(self._channels.values()):
+        for channel in self._opened_channels():
             with contextlib.suppress(Exception):
                 channel.abort(reason)
 
@@ -486,6 +492,9 @@ class Pipeline:
                 self._channels[(peer, kind)] = (boundary.StructureChannel(channel, self.device) if kind == "act"
                                                 else channel)
 
+    def _opened_channels(self) -> list:
+        return list(dict.fromkeys(self._channels.values()))
+
     def _sink_of(self, param: nn.Parameter) -> GradientSink:
         return next(sink for sink in self._sinks.values() if any(p is param for p in sink.params))
 
@@ -494,7 +503,7 @@ class Pipeline:
 
     def _wire_device(self) -> torch.device:
         """Where collectives over the pipeline group need their tensors."""
-        if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
+        if dist.is_initialized() and uses_nccl(self.group):
             return self.device
         return torch.device("cpu")
 

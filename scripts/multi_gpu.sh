@@ -69,17 +69,21 @@ phase() {
       on_gpus 2,3 e2e2-medium-overhead python3 bench/e2e.py --ranks 2 --configs medium,overhead --steps 10 \
         --timeout 60 --json "$work/e2e2-medium-overhead.json" &
       wait ;;
-    dist)
-      on_gpus 0,1 dist python3 bench/e2e.py --ranks 2 --configs compute,medium --transport auto,dist \
-        --schedules "1f1b,1f1b+graphs,torch 1F1B" --steps 10 --timeout 60 --json "$work/dist.json" ;;
+    dist)  # a deadline inside the phase's timeout, so that a hang comes back with every rank's stacks
+      NCCL_DEBUG=WARN on_gpus 0,1 dist python3 bench/e2e.py --ranks 2 --configs compute,medium --transport auto,dist \
+        --schedules "1f1b,1f1b+graphs,torch 1F1B" --steps 10 --timeout 60 --deadline "${DIST_DEADLINE:-300}" \
+        --json "$work/dist.json" ;;
     nccl-twins)  # stops at the first failure, its traceback kept
       timeout 120 python3 -m pytest -m cuda -x -q --tb=short -p no:cacheprovider tests/test_dist_channel.py \
         >"$work/nccl-twins.txt" 2>&1
       echo "nccl-twins exit $?"
       tail -3 "$work/nccl-twins.txt" ;;
-    hf2)
-      hf_schedules 0,1 2 29511 hf-pp2-a &
-      hf_schedules 2,3 2 29512 hf-pp2-b &
+    hf2)  # on each GPU pair of HF2_PAIRS at once (default both halves: two samples)
+      local port=29511 half=a
+      for pair in ${HF2_PAIRS:-0,1 2,3}; do
+        hf_schedules "$pair" 2 "$port" "hf-pp2-$half" &
+        port=$((port + 1)) half=b
+      done
       wait ;;
     hf4)
       hf_schedules 0,1,2,3 4 29513 hf-pp4 ;;

@@ -299,10 +299,11 @@ def test_nccl_messages_never_wait_for_the_gpu(tmp_path, changing):
     assert run_ranks(2, nccl_exchange_without_host_syncs, tmp_path, changing, 50, process_group=NCCL_GROUP) == [0, 0]
 
 
-def nccl_pipeline_without_host_syncs(rank: int, world_size: int, changing: bool) -> list:
-    """3 steps of a 2-stage pipeline forced to dist over NCCL under sync debug mode "error", then the losses and
-    gradients against the unsplit model on this process."""
-    device = rank_device(rank, "cuda")
+def dist_pipeline_trains_exactly(rank: int, world_size: int, changing: bool, kind: str) -> tuple[list, list]:
+    """3 steps of a 2-stage pipeline forced to dist (over NCCL under sync debug mode "error" on GPUs), then the losses
+    and gradients against the unsplit model on this process, and the channels in the order close() reached them."""
+    device = rank_device(rank, kind)
+    cuda = device.type == "cuda"
     hidden = 64
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.Tanh())
@@ -314,19 +315,25 @@ def nccl_pipeline_without_host_syncs(rank: int, world_size: int, changing: bool)
     batches = []
     for step in range(3):
         generator = torch.Generator().manual_seed(step)
-        rows = 8 * (step + 1) if changing else 16
+        rows = 8 * (step + 1) if changing else 16  # a new batch size: a new structure header on the host
         batches.append((torch.randn(rows, hidden, generator=generator).to(device),
                         torch.randn(rows, hidden, generator=generator).to(device)))
     losses, grads = [], []
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
     try:
         for x, target in batches:
             losses.append(pipe.step(x, target=target))
             grads.append([param.grad.clone() for param in stage.parameters()])
             stage.zero_grad()
     finally:
-        torch.cuda.set_sync_debug_mode(0)
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
+    closed = []
+    for (peer, channel_kind), channel in pipe._channels.items():
+        pair = (min(rank, peer), max(rank, peer), channel_kind)
+        channel.close = lambda close=channel.close, pair=pair: (closed.append(pair), close())[1]
     pipe.close()
     whole = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.Tanh())
                                   for _ in range(world_size)]).to(device)
@@ -343,11 +350,21 @@ def nccl_pipeline_without_host_syncs(rank: int, world_size: int, changing: bool)
         for index, (grad, ref_param) in enumerate(zip(grads[step], whole[rank].parameters())):
             if not torch.allclose(grad, ref_param.grad, rtol=1e-4, atol=1e-5):
                 mismatches.append(f"step {step} grad {index}")
-    return mismatches
+    return mismatches, closed
+
+
+def test_a_pipeline_over_gloo_trains_exactly_and_closes_in_one_order(tmp_path):
+    """Changing batch sizes send the structure header as a note on the host; both ranks close their channels in
+    one order, as shutting NCCL communicators down needs."""
+    (mismatches0, closed0), (mismatches1, closed1) = run_ranks(2, dist_pipeline_trains_exactly, tmp_path, True, "cpu")
+    assert mismatches0 == mismatches1 == []
+    assert closed0 == closed1 == [(0, 1, "act"), (0, 1, "grad")]
 
 
 @needs_two_gpus
 @pytest.mark.parametrize("changing", [False, True], ids=["static-shapes", "changing-shapes"])
 def test_a_pipeline_over_nccl_trains_exactly_without_host_syncs(tmp_path, changing):
-    assert run_ranks(2, nccl_pipeline_without_host_syncs, tmp_path, changing, process_group=NCCL_GROUP,
-                     timeout=120) == [[], []]
+    outcomes = run_ranks(2, dist_pipeline_trains_exactly, tmp_path, changing, "cuda", process_group=NCCL_GROUP,
+                         timeout=120)
+    assert [mismatches for mismatches, _ in outcomes] == [[], []]
+    assert outcomes[0][1] == outcomes[1][1]

@@ -60,6 +60,8 @@ class Channel(abc.ABC):
     """
 
     backend: str
+    # Whether send_note / recv_note carry bytes on the host beside the next message (the dist backend).
+    carries_notes = False
     initial_slot_bytes: int = 1 << 20  # what connect() was given; shrink()'s default
 
     def __init__(self, rank: int, peer_rank: int, device: torch.device, timeout: float):

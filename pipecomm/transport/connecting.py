@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pipecomm import _C
+from pipecomm.parallel import uses_nccl
 from pipecomm.transport.channel import Channel, ChannelError
 from pipecomm.transport.dist import DistChannel
 from pipecomm.transport.ipc import IpcChannel
@@ -91,6 +92,6 @@ def _sweep_stale_segments() -> None:
 
 
 def _default_device(group) -> torch.device:
-    if torch.cuda.is_available() and "nccl" in str(dist.get_backend(group)):
+    if torch.cuda.is_available() and uses_nccl(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pipecomm import _C
+from pipecomm.parallel import uses_nccl
 from pipecomm.transport.channel import Channel, ChannelError, ChannelTimeoutError, PeerDiedError, ProtocolError
 from pipecomm.transport.lifetime import keep_forever
 
@@ -19,7 +20,7 @@ __all__ = ["DistChannel"]
 # How gloo words a connection the peer's process closed, by dying or exiting.
 _PEER_GONE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 # The gloo tags of a dist channel's parts: each is matched in order within its tag.
-_HEADER_TAG, _META_TAG, _SLOT_TAG, _PAYLOAD_TAG = 0, 1, 2, 3
+_HEADER_TAG, _META_TAG, _SLOT_TAG, _PAYLOAD_TAG, _NOTE_TAG = 0, 1, 2, 3, 4
 _FILLER = torch.empty(0, dtype=torch.uint8)  # what a slot gets when the payload does not go into it
 
 
@@ -37,6 +38,7 @@ class DistChannel(Channel):
     """
 
     backend = "dist"
+    carries_notes = True
 
     def __init__(self, rank, peer_rank, device, timeout, group, rendezvous, num_slots):
         super().__init__(rank, peer_rank, device, timeout)
@@ -46,7 +48,7 @@ class DistChannel(Channel):
         store = rendezvous.store
         wait = datetime.timedelta(seconds=timeout)
         self._control = dist.ProcessGroupGloo(dist.PrefixStore(f"{rendezvous.prefix}/gloo", store), self._pair_rank, 2, wait)
-        self._nccl = device.type == "cuda" and "nccl" in str(dist.get_backend(group))
+        self._nccl = device.type == "cuda" and uses_nccl(group)
         if self._nccl:
             self._outgoing = _nccl_group(store, rendezvous.prefix, rank, peer_rank, wait)
             self._incoming = _nccl_group(store, rendezvous.prefix, peer_rank, rank, wait)
@@ -70,6 +72,33 @@ class DistChannel(Channel):
         self._slot: tuple | None = None  # (buffer, work) of the next payload's slot, once posted
         self._slot_bytes = 0  # the slot the peer posts for this end's next message
         self._peer_gone: str | None = None  # why the peer takes no more messages, once known
+        self._note: tuple | None = None  # (works, buffers) of a note that goes out with the next message
+
+    def send_note(self, data: bytes) -> None:
+        """Bytes for the peer's ``recv_note``, sent on the host with the next message: no GPU copy at either end,
+        so no wait for the GPU (a stage boundary's structure header goes so)."""
+        self._enter("send_note")
+        try:
+            length = torch.tensor([len(data)], dtype=torch.int64)
+            body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else _FILLER
+            what = f"the note of message {self._send_seq}"
+            self._note = ([self._post(self._control, length, _NOTE_TAG, what, "send"),
+                           self._post(self._control, body, _NOTE_TAG, what, "send")], (length, body))
+        finally:
+            self._leave()
+
+    def recv_note(self) -> bytes:
+        """The bytes the peer's ``send_note`` sent with the message received last."""
+        self._enter("recv_note")
+        try:
+            seq = self._recv_seq - 1
+            length = self._await(self._post_receive(torch.empty(1, dtype=torch.int64), _NOTE_TAG, seq, "note"), seq,
+                                 "note's length")
+            body = self._await(self._post_receive(torch.empty(int(length), dtype=torch.uint8), _NOTE_TAG, seq, "note"),
+                               seq, "note")
+            return body.numpy().tobytes()
+        finally:
+            self._leave()
 
     def _connect_nccl(self) -> None:
         """Creates both directions' NCCL communicators now, in the same order on both ranks: created on first use,
@@ -87,7 +116,9 @@ class DistChannel(Channel):
         self._retire_sends()
         header, meta, payload = self._codec.encode(tensors)
         what = f"message {self._send_seq}"
-        host = [self._post(self._control, header, _HEADER_TAG, what, "send")]
+        note_works, note_buffers = self._note or ([], ())
+        self._note = None
+        host = [*note_works, self._post(self._control, header, _HEADER_TAG, what, "send")]
         if meta is not None:
             host.append(self._post(self._control, meta, _META_TAG, what, "send"))
         device_works = []
@@ -103,7 +134,7 @@ class DistChannel(Channel):
             if payload_bytes and not fits:
                 host.append(self._post(self._control, payload, _PAYLOAD_TAG, what, "send"))
             self._slot_bytes = payload_bytes
-        self._in_flight.append((self._send_seq, host, device_works, (header, meta, payload)))
+        self._in_flight.append((self._send_seq, host, device_works, (header, meta, payload, *note_buffers)))
         self._send_seq += 1
 
     def _retire_sends(self) -> None:
