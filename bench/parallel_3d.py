@@ -38,6 +38,7 @@ CPU_LOSS_TOLERANCE = 1e-4  # relative, fp32 on CPU: the engines' first-step loss
 MAX_GRAD_NORM = None
 
 Step = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+Finish = Callable[[], dict[str, Any]]  # closes the engine; returns what it measured beyond step times
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,16 +46,27 @@ Step = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
 def pipecomm_trainer(context: pipecomm.ParallelContext, modules: list[nn.Module],
-                     args: argparse.Namespace) -> tuple[Step, Callable[[], None]]:
-    """examples/train_gpt.py's Pipeline, optimizer and step."""
+                     args: argparse.Namespace) -> tuple[Step, Finish]:
+    """examples/train_gpt.py's Pipeline, optimizer and step; with --trace, the last step's device-timed trace of each
+    pipeline (one per data-parallel replica and tensor-parallel shard) and each rank's GPU bubble."""
+    timed = bool(args.trace) and context.device.type == "cuda"
     pipe = train_gpt.build_pipeline(context, modules, [context.stage], args.micro_batches, "1f1b",
-                                    timeout=float(args.timeout))
+                                    timeout=float(args.timeout), device_timing=timed)
     optimizer = train_gpt.make_optimizer(pipe.parameters(), args.lr)
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return train_gpt.train_step(pipe, optimizer, inputs, targets, max_grad_norm=MAX_GRAD_NORM)
 
-    return step, pipe.close
+    def finish() -> dict[str, Any]:
+        measured = {}
+        if args.trace:
+            pipe.trace(os.path.join(args.trace, f"{args.composition}-dp{context.dp_rank}-tp{context.tp_rank}.json"))
+        if timed:
+            measured["bubble"] = pipe.bubble_fraction()
+        pipe.close()
+        return measured
+
+    return step, finish
 
 
 def tied_group(context: pipecomm.ParallelContext) -> dist.ProcessGroup:
@@ -72,7 +84,7 @@ def tied_group(context: pipecomm.ParallelContext) -> dist.ProcessGroup:
 
 
 def torch_trainer(context: pipecomm.ParallelContext, modules: list[nn.Module],
-                  args: argparse.Namespace) -> tuple[Step, Callable[[], None]]:
+                  args: argparse.Namespace) -> tuple[Step, Finish]:
     """The same stage under torch's PipelineStage and Schedule1F1B, with the gradient reductions pipecomm.Pipeline
     does for it done by hand: the data-parallel mean of what FSDP does not reduce, then the tied weight's sum."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -116,7 +128,7 @@ def torch_trainer(context: pipecomm.ParallelContext, modules: list[nn.Module],
         optimizer.zero_grad()
         return torch.stack([loss.detach() for loss in losses]).mean() if losses else None
 
-    return step, lambda: None
+    return step, dict
 
 
 def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any], None], engine: str,
@@ -127,7 +139,7 @@ def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any]
     context = pipecomm.init(pipeline_size=args.pp, data_size=args.dp, tensor_size=args.tp)
     _, modules = train_gpt.build_stages(context, args.hidden, args.heads, args.layers, args.seq, [context.stage],
                                         args.composition == "fsdp")
-    step, close = (pipecomm_trainer if engine == "pipecomm" else torch_trainer)(context, modules, args)
+    step, finish = (pipecomm_trainer if engine == "pipecomm" else torch_trainer)(context, modules, args)
     data = train_gpt.Data(None, args.seq, train_gpt.VOCAB)
     batch_size = args.micro_batches * args.micro_batch_size
     losses, step_ms = [], []
@@ -142,10 +154,10 @@ def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any]
         if step_index > args.warmup:
             step_ms.append((time.perf_counter() - started) * 1e3)
         losses.append(None if loss is None else float(loss))
-    close()
     result = {"rank": rank, "stage": context.stage, "dp_rank": context.dp_rank, "tp_rank": context.tp_rank,
               "step_ms": step_ms, "losses": losses,
-              "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None}
+              "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+              **finish()}
     if rank == 0:
         env = environment(device)
         env["ranks"] = f"{world_size} processes, rank r on {'cuda:r' if device.type == 'cuda' else 'cpu'}"
@@ -171,6 +183,8 @@ def engine_row(engine: str, outcomes: dict[int, dict[str, Any]], args: argparse.
     if None not in peaks:
         row["peak_GB"] = max(peaks)
         row.update({f"mem{rank}_GB": peak for rank, peak in enumerate(peaks)})
+    if all("bubble" in o for o in outcomes.values()):
+        row["bubble_max"] = max(o["bubble"] for o in outcomes.values())
     row["loss_step1"] = statistics.mean(o["losses"][0] for o in reporters)
     row["loss_last"] = statistics.mean(o["losses"][-1] for o in reporters)
     row["reporter_losses"] = {o["rank"]: o["losses"] for o in reporters}
@@ -209,6 +223,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=int, default=120, help="seconds for init and any one wait")
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds per engine before its ranks are killed")
     parser.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="write DIR/<composition>-dp<i>-tp<j>.json Chrome traces of pipecomm's last step; on GPUs its "
+                             "compute actions at the GPU's times (device_timing) and the largest rank's GPU bubble "
+                             "(column bubble_max)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, gloo, fp32, tiny sizes: checks the flow and that the engines' losses agree; any "
                              "error fails the run")
@@ -234,6 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     config = {key: value for key, value in vars(args).items() if key != "json"}
     rows: dict[str, dict[str, Any]] = {}
     env: dict[str, Any] | None = None
@@ -258,8 +278,9 @@ def main(argv: list[str] | None = None) -> None:
           f"median of {args.steps} steps after {args.warmup}")
     measured_memory = any("peak_GB" in row for row in rows.values())  # on GPUs
     memory_columns = ["peak_GB", *(f"mem{rank}_GB" for rank in range(args.ranks))] if measured_memory else []
-    print_table(list(rows.values()), ["engine", "tokens_per_s", "step_ms", *memory_columns, "loss_step1", "loss_last",
-                                      "error"])
+    bubble_column = ["bubble_max"] if any("bubble_max" in row for row in rows.values()) else []
+    print_table(list(rows.values()), ["engine", "tokens_per_s", "step_ms", *bubble_column, *memory_columns,
+                                      "loss_step1", "loss_last", "error"])
     if ratios:
         print(f"pipecomm / torch: tokens/s {ratios['tokens_per_s']:.3f}x"
               + (f", peak memory (max over ranks) {ratios['peak_memory']:.3f}x" if ratios["peak_memory"] else ""))

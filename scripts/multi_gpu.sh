@@ -89,7 +89,7 @@ phase() {
       hf_schedules 0,1,2,3 4 29513 hf-pp4 ;;
     3d-fsdp | 3d-tp)
       on_gpus 0,1,2,3 "$1" python3 bench/parallel_3d.py --composition "${1#3d-}" --deadline 150 ${THREE_D_ARGS:-} \
-        --json "$work/$1.json" ;;
+        --trace "$work/trace-3d" --json "$work/$1.json" ;;
     p2p)
       on_gpus 0,1 p2p python3 bench/p2p.py --sizes 4K,64M,256M --no-gemm --reps 5 --json "$work/p2p.json" ;;
     inference)
