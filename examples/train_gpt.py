@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import pipecomm
-from pipecomm.schedule import make_schedule, simulate
+from pipecomm.schedule import simulate
 
 
 class Block(nn.Module):
@@ -176,13 +176,13 @@ def main() -> None:
     context = pipecomm.init(pipeline_size=args.pp, data_size=args.dp, tensor_size=args.tp)
     if args.heads % args.tp:
         raise SystemExit(f"--heads {args.heads} must be divisible by --tp {args.tp}")
-    virtual = {"interleaved-1f1b": args.virtual_stages, "zb-v": 2}.get(args.schedule, 1)
-    num_stages = context.num_stages * virtual
+    # "auto" starts from zb-h1 and plans for the stages it was given; zb-v places two per rank in a V.
+    start = pipecomm.starting_schedule(args.schedule, context.num_stages, args.micro_batches,
+                                       args.virtual_stages if args.schedule == "interleaved-1f1b" else None)
+    num_stages = start.num_stages
     if args.layers % num_stages:
         raise SystemExit(f"--layers {args.layers} must be divisible by the {num_stages} stages")
-    # "auto" starts from zb-h1 and plans for the stages it was given; zb-v places two per rank in a V.
-    planned_as = "zb-h1" if args.schedule == "auto" else args.schedule
-    stages = list(make_schedule(planned_as, context.num_stages, args.micro_batches, virtual).stages_of(context.stage))
+    stages = list(start.stages_of(context.stage))
     model, modules = build_stages(context, args.hidden, args.heads, args.layers, args.seq, stages, args.fsdp)
     pipe = build_pipeline(
         context, modules, stages, args.micro_batches, args.schedule, cuda_graphs=args.cuda_graphs,
@@ -193,7 +193,7 @@ def main() -> None:
     data = Data(args.data, args.seq, VOCAB)
     batch_size = args.micro_batches * args.micro_batch_size  # per replica
     global_tokens = batch_size * args.seq * context.data_size
-    theory = simulate(make_schedule(planned_as, context.num_stages, args.micro_batches, virtual)).bubble_fraction
+    theory = simulate(start).bubble_fraction
     reporter = context.stage == context.num_stages - 1 and context.dp_rank == 0 and context.tp_rank == 0
     if reporter:
         print(f"GPT {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, pp={context.num_stages} "

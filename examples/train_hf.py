@@ -11,10 +11,10 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import pipecomm
-from pipecomm.schedule import make_schedule, simulate
+from pipecomm.schedule import simulate
 
-# Stages per rank: interleaved-1f1b holds two chunks (rank r: r and r + p), zb-v two placed in a V (r and 2p - 1 - r).
-STAGES_PER_RANK = {"interleaved-1f1b": 2, "zb-v": 2}
+# interleaved-1f1b's chunks per rank (rank r: r and r + p); zb-v places its two per rank in a V (r and 2p - 1 - r).
+INTERLEAVED_CHUNKS = 2
 
 
 def loss_fn(output, labels):
@@ -47,8 +47,10 @@ def main() -> None:
     args = parser.parse_args()
 
     context = pipecomm.init(pipeline_size=args.pp)
-    per_rank = STAGES_PER_RANK.get(args.schedule, 1)
-    num_stages = context.num_stages * per_rank
+    # "auto" runs zb-h1 while it measures, then plans for the one stage per rank it was given.
+    start = pipecomm.starting_schedule(args.schedule, context.num_stages, args.micro_batches,
+                                       INTERLEAVED_CHUNKS if args.schedule == "interleaved-1f1b" else None)
+    num_stages = start.num_stages
     if args.layers < num_stages:
         raise SystemExit(f"--layers {args.layers} must be at least the {num_stages} stages of {args.schedule}")
     torch.manual_seed(0)  # every rank builds the same model
@@ -63,9 +65,7 @@ def main() -> None:
         layer.pipeline_stage = index * num_stages // args.layers
     model.model.norm.pipeline_stage = model.lm_head.pipeline_stage = num_stages - 1
 
-    # "auto" runs zb-h1 while it measures, then plans for the one stage per rank it was given.
-    planned_as = "zb-h1" if args.schedule == "auto" else args.schedule
-    stages = list(make_schedule(planned_as, context.num_stages, args.micro_batches, per_rank).stages_of(context.stage))
+    stages = list(start.stages_of(context.stage))
     inputs, labels = batch(0, args)
     held = pipecomm.split(model, num_stages, stages, example_inputs=(inputs[: args.micro_batch_size],),
                           device=context.device)

@@ -6,6 +6,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from pipecomm import _C
 from pipecomm._ops import accumulate_, pack, packed_nbytes, unpack_
+from pipecomm.auto_schedule import starting_schedule
 from pipecomm.failure import PeerFailedError
 from pipecomm.parallel import ParallelContext, init
 from pipecomm.partition import StageModule, merge_checkpoints, split
@@ -34,6 +35,7 @@ __all__ = [
     "plan_schedule",
     "simulate",
     "split",
+    "starting_schedule",
     "unpack_",
 ]
 

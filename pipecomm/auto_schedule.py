@@ -7,16 +7,23 @@ import statistics
 
 from pipecomm.schedule import Schedule, looped_placement, make_schedule, v_placement
 
-__all__: list[str] = []
+__all__ = ["starting_schedule"]
 
 WARMUP_STEPS = 1  # not timed: allocator warm-up, lazy initialisation
 MEASURED_STEPS = 2
 
 
+def starting_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages: int | None = None) -> Schedule:
+    """The schedule a Pipeline given ``schedule=name`` runs first, in its default placement: the named one, or for
+    "auto" the zb-h1 it measures with. Its ``stages_of(rank)`` are the stages a rank builds; ``num_stages``, how many
+    the model is split into."""
+    return make_schedule("zb-h1" if name == "auto" else name, num_ranks, micro_batches, virtual_stages)
+
+
 def initial_schedule(num_ranks: int, micro_batches: int, stages: list[int], rank: int) -> Schedule:
     """The schedule "auto" runs while it measures: zb-h1 for one stage per rank, zb-v for two in a V."""
     if len(stages) == 1:
-        return make_schedule("zb-h1", num_ranks, micro_batches)
+        return starting_schedule("auto", num_ranks, micro_batches)
     if len(stages) == 2 and sorted(stages) == [stage for stage, holder in enumerate(v_placement(num_ranks))
                                                if holder == rank]:
         return make_schedule("zb-v", num_ranks, micro_batches)
