@@ -30,6 +30,8 @@ class Sample:
 class Recording:
     """A channel that hands back, in order, copies of what was sent, and keeps the messages."""
 
+    carries_notes = False
+
     def __init__(self):
         self.sent: list[tuple] = []
         self._queue: collections.deque = collections.deque()
@@ -43,6 +45,24 @@ class Recording:
 
     def close(self) -> None:
         self._queue.clear()
+
+
+class NoteRecording(Recording):
+    """The same, with notes on the host beside the messages, as the dist channel carries them."""
+
+    carries_notes = True
+
+    def __init__(self):
+        super().__init__()
+        self.notes: list[bytes] = []
+        self._unread_notes: collections.deque = collections.deque()
+
+    def send_note(self, data: bytes) -> None:
+        self.notes.append(data)
+        self._unread_notes.append(data)
+
+    def recv_note(self) -> bytes:
+        return self._unread_notes.popleft()
 
 
 def nested():
@@ -82,8 +102,8 @@ def test_nested_structures_round_trip_with_their_types_constants_and_requires_gr
     assert output["tuple"][1:] == (None, 3, "text")
 
 
-def test_the_header_is_sent_only_when_it_changes():
-    raw = Recording()
+@pytest.mark.parametrize("raw", [Recording(), NoteRecording()], ids=["in-the-message", "as-a-note"])
+def test_the_header_is_sent_only_when_it_changes(raw):
     channel = boundary.StructureChannel(raw, torch.device("cpu"))
     x, y, w = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3, requires_grad=True)
     messages = [
@@ -108,6 +128,8 @@ def test_the_header_is_sent_only_when_it_changes():
     assert [message[0] is not None for message in raw.sent] == [True, False, True, False, True, True, True, True,
                                                                  True, False]
     assert all(message[0] is None or message[0].dtype == torch.uint8 for message in raw.sent)
+    if raw.carries_notes:  # the header went as a note; the message only says that one came
+        assert len(raw.notes) == 7 and all(message[0] is None or message[0].numel() == 0 for message in raw.sent)
 
 
 def test_what_cannot_be_pickled_is_a_type_error_naming_it():
