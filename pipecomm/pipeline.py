@@ -374,9 +374,9 @@ class Pipeline:
         _live.discard(self)
         self._undo_deferral()
         self._undo_recompute()
-        # In the order they opened, the same on every rank: closing an NCCL-backed channel waits for its peer
-        # to close the same one (a set's order, which differs between processes, hung two H100s so).
-        for channel in self._opened_channels():
+        # In the order they opened (a dict's), the same on every rank: closing an NCCL-backed channel waits for its
+        # peer to close the same one (a set's order, which differs between processes, hung two H100s so).
+        for channel in self._channels.values():
             channel.close()
 
     # -- internals -----------------------------------------------------------------------------
@@ -467,7 +467,7 @@ class Pipeline:
         for undo in (self._undo_deferral, self._undo_recompute):
             with contextlib.suppress(Exception):
                 undo()
-        for channel in self._opened_channels():
+        for channel in self._channels.values():
             with contextlib.suppress(Exception):
                 channel.abort(reason)
 
@@ -491,9 +491,6 @@ class Pipeline:
                 # Activations are structures; gradients, one per tensor of the activation message, stay flat.
                 self._channels[(peer, kind)] = (boundary.StructureChannel(channel, self.device) if kind == "act"
                                                 else channel)
-
-    def _opened_channels(self) -> list:
-        return list(dict.fromkeys(self._channels.values()))
 
     def _sink_of(self, param: nn.Parameter) -> GradientSink:
         return next(sink for sink in self._sinks.values() if any(p is param for p in sink.params))
