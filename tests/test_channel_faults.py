@@ -78,6 +78,42 @@ def test_abort_wakes_the_peer_with_the_reason(tmp_path, backend, kind):
     assert woken_after < DETECTION_SECONDS, f"the peer's recv raised {woken_after:.2f} s after the abort"
 
 
+def send_after_abort_races(rank: int, world_size: int, backend: str, kind: str, rounds: int) -> int:
+    """Over many fresh channels, rank 0 aborts while rank 1 waits in recv; once that recv raises, rank 1
+    sends at once. Returns how many of those sends went through silently (rank 1)."""
+    device = rank_device(rank, kind)
+    store = dist.distributed_c10d._get_default_store()
+    silent = 0
+    for round_index in range(rounds):
+        channel = transport.connect(1 - rank, backend=backend, device=device, timeout=30)
+        if rank == 0:
+            store.wait([f"receiving/{round_index}"])
+            time.sleep(0.002)  # rank 1 is inside its recv by now
+            channel.abort("stage 0 failed")
+        else:
+            store.set(f"receiving/{round_index}", "1")
+            with pytest.raises(transport.ProtocolError, match="aborted"):
+                channel.recv()
+            try:
+                channel.send([torch.ones(1, device=device)])
+                silent += 1
+            except transport.ChannelError:
+                pass
+        channel.close()
+        dist.barrier()
+    return silent
+
+
+@pytest.mark.parametrize(
+    ("backend", "kind"), [("shm", "cpu"), pytest.param("ipc", "cuda", marks=needs_cuda)], ids=["shm", "ipc"]
+)
+def test_a_send_after_the_peers_abort_is_refused_every_time(tmp_path, backend, kind):
+    # The abort closes the ring the peer sends on before the one it receives on; in the other order a
+    # recv woken by the abort could send into a ring nobody reads (2 % of rounds on a 2-core machine).
+    _, silent_sends = run_ranks(2, send_after_abort_races, tmp_path, backend, kind, 200, timeout=180)
+    assert silent_sends == 0, f"{silent_sends} of 200 sends after the peer's abort went through"
+
+
 def peer_killed(rank: int, world_size: int, backend: str) -> tuple:
     """Rank 0 is SIGKILLed while rank 1 waits in recv from it and rank 2 waits in send to it; they return
     how long after the kill they raised, and how long abort() then took."""

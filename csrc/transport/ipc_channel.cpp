@@ -230,9 +230,11 @@ class IpcChannel {
     membership_.reset();  // a closing channel answers no more requests
     const bool unmapped = sender_ && sender_->unmap_when_done(kClosePatience);
     const CloseOutcome outcome = exchange_close_notes(host_sender_, inbox_, unmapped, kClosePatience);
-    host_sender_.close(reason);
+    // The rings the peer's send uses close before those its recv waits on, so that a peer whose recv
+    // woke to this close finds its next send refused.
     host_receiver_.close(reason);
     post_sender_.close(reason);
+    host_sender_.close(reason);
     post_receiver_.close(reason);
     posted_.close(/*give_memory_back=*/outcome.peer_unmapped && !outcome.unreceived);
     if (!outcome.peer_unmapped) receiver_.abandon();

@@ -86,11 +86,13 @@ class ShmChannel {
     receiver_.interrupt();
   }
 
-  // Never waits for the peer; a non-empty reason (an abort's) is quoted in the peer's error.
+  // Never waits for the peer; a non-empty reason (an abort's) is quoted in the peer's error. The ring
+  // the peer sends on closes first: a peer whose recv woke to this close must find its next send refused,
+  // not landing in a ring nobody reads.
   void close(const std::string& reason) noexcept {
     const std::lock_guard<std::mutex> lock(closing_);
-    sender_.close(reason);
     receiver_.close(reason);
+    sender_.close(reason);
   }
 
  private:
