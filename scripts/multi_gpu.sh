@@ -53,7 +53,7 @@ phase() {
       fi
       python3 -c "import pipecomm; print(pipecomm.build_info())" ;;
     twins)
-      timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_dist_channel.py tests/test_exactness.py \
+      timeout 400 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_dist_channel.py tests/test_exactness.py \
         tests/test_cuda_graphs.py tests/test_pipeline.py >"$work/twins.txt" 2>&1
       echo "twins exit $?"
       tail -3 "$work/twins.txt" ;;
