@@ -217,10 +217,10 @@ def _outline_units(exported, units: set[str]) -> torch.fx.Graph:
                     if spec.kind != InputKind.USER_INPUT}
     unit_outputs = _check_mutations(exported, units)
     graph = torch.fx.Graph()
-    values: dict[str, Any] = {}  # exported node name -> value in the new graph
+    body_of = {node: _unit_call_of(node, units) for node in exported.graph.nodes}
+    values = _Bindings({node.name: call for node, call in body_of.items()})
     specs: dict[str, Any] = {}
     outlined: set[str] = set()
-    body_of = {node: _unit_call_of(node, units) for node in exported.graph.nodes}
 
     def value(arg):
         return pytree.tree_map_only(torch.fx.Node, lambda node: values[node.name], arg)
@@ -253,14 +253,40 @@ def _outline_units(exported, units: set[str]) -> torch.fx.Graph:
     for node in exported.graph.nodes:
         call = body_of[node]
         if call is not None and node.name not in values:
-            escaping = [user for user in node.users if body_of[user] != call and user.op != "output"]
+            escaping = [user for user in node.users if body_of[user] != call and user.op != "output"
+                        and not (body_of[user] is not None and _is_shape_arithmetic(node))]
             if escaping and node.name not in unit_outputs:
-                raise ValueError(f"split: {node.name}, computed inside {call.split('@')[0]!r}, is used outside it "
-                                 "without being one of its outputs; annotate its parent instead")
+                raise _inner_value_escapes(node.name, call)
     _drop_unused(graph)
     graph.lint()
     graph._pipecomm_attributes = specs  # spec and constant attributes the stage modules need
     return graph
+
+
+class _Bindings(dict):
+    """Exported node name -> its value in the new graph. A unit's inner values have none: only its outputs
+    leave its module call, so code outside that reads one (a router's logits a hook recorded for the
+    model's auxiliary loss) is refused by name."""
+
+    def __init__(self, unit_call_of: dict[str, str | None]):
+        super().__init__()
+        self._unit_call_of = unit_call_of
+
+    def __missing__(self, name: str):
+        raise _inner_value_escapes(name, self._unit_call_of[name])
+
+
+def _inner_value_escapes(name: str, call: str) -> ValueError:
+    return ValueError(f"split: {name}, computed inside {call.split('@')[0]!r}, is used outside it without being one "
+                      "of its outputs; annotate its parent instead, or turn off what reads it (a Hugging Face "
+                      "mixture of experts' output_router_logits, say)")
+
+
+def _is_shape_arithmetic(node: torch.fx.Node) -> bool:
+    """A symbolic size (batch x sequence, say) rather than a tensor. Export computes one such expression
+    once and reuses it in every later block (an MoE's token count); each block called as a module
+    recomputes it from its own inputs, so its use inside another block is no hidden dependency."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def _drop_unused(graph: torch.fx.Graph) -> None:

@@ -101,3 +101,45 @@ class LongSkip(nn.Module):
         for block in self.blocks[1:]:
             h = torch.tanh(block(h))
         return h + first
+
+
+# Tiny decoder-only configurations of architectures beyond GPT-2 and Llama: sliding windows, biases,
+# ALiBi, parallel attention, per-head norms and mixtures of experts.
+CAUSAL_LMS = {
+    "qwen2": ("Qwen2", dict(intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)),
+    "mistral": ("Mistral", dict(intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, sliding_window=4)),
+    "gemma2": ("Gemma2", dict(intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                              sliding_window=4)),
+    "phi3": ("Phi3", dict(intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, resid_pdrop=0.0,
+                          embd_pdrop=0.0)),
+    "gpt_neox": ("GPTNeoX", dict(intermediate_size=32, num_attention_heads=2, hidden_dropout=0.0)),
+    "opt": ("OPT", dict(ffn_dim=32, num_attention_heads=2, word_embed_proj_dim=16, dropout=0.0)),
+    "bloom": ("Bloom", dict(n_head=2, hidden_dropout=0.0)),
+    "falcon": ("Falcon", dict(num_attention_heads=2, hidden_dropout=0.0, new_decoder_architecture=False, alibi=False)),
+    "mixtral": ("Mixtral", dict(intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+def causal_lm(name: str, num_stages: int, layers: int = 4, **overrides):
+    """A tiny transformers model of CAUSAL_LMS, annotated as a user would: what comes before the blocks
+    on stage 0, the blocks spread evenly, what comes after them (final norm, LM head) on the last stage."""
+    import transformers
+
+    prefix, settings = CAUSAL_LMS[name]
+    config = getattr(transformers, prefix + "Config")(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=layers, max_position_embeddings=64, use_cache=False,
+        attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0, **{**settings, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, prefix + "ForCausalLM")(config)
+    blocks = max((module for module in model.modules() if isinstance(module, nn.ModuleList)), key=len)
+    stage = 0
+    for child in model.base_model.children():
+        if child is blocks:
+            for index, block in enumerate(blocks):
+                block.pipeline_stage = index * num_stages // len(blocks)
+            stage = num_stages - 1
+        elif any(True for _ in child.parameters()):  # a rotary embedding (buffers only) goes where it is used
+            child.pipeline_stage = stage
+    model.get_output_embeddings().pipeline_stage = num_stages - 1
+    return model

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models import VOCAB, LongSkip, ResidualCNN, gpt2, llama
+from models import CAUSAL_LMS, VOCAB, LongSkip, ResidualCNN, causal_lm, gpt2, llama
 from ranks import held_stages, needs_cuda, rank_device, run_ranks
 
 import pipecomm
@@ -98,6 +99,23 @@ LM_CASES = [
 def test_hugging_face_language_models_train_exactly(tmp_path, build, schedule, world_size, virtual, micro_batches):
     assert run_ranks(world_size, train_and_compare, tmp_path, build, lm_loss, lm_batch, schedule, virtual,
                      micro_batches, timeout=240) == ["ok"] * world_size
+
+
+@pytest.mark.parametrize("name", sorted(CAUSAL_LMS))
+def test_more_hugging_face_architectures_train_exactly(tmp_path, name):
+    # zb-h1 splits every block's backward in two: the hardest path for experts, ALiBi and sliding windows.
+    build = functools.partial(causal_lm, name)
+    assert run_ranks(2, train_and_compare, tmp_path, build, lm_loss, lm_batch, "zb-h1", 1, 4,
+                     timeout=240) == ["ok"] * 2
+
+
+def test_a_router_output_read_across_stages_is_refused_by_name():
+    # The auxiliary loss reads every block's router logits, which a hook records: they never leave a stage.
+    model = causal_lm("mixtral", 2, output_router_logits=True)
+    inputs, kwargs, _ = lm_batch(0)
+    with pytest.raises(ValueError, match=r"computed inside 'model\.layers\.0', is used outside it .*output_router_logits"):
+        pipecomm.split(model, 2, [0], example_inputs=tuple(value[:2] for value in inputs),
+                       example_kwargs={key: value[:2] for key, value in kwargs.items()})
 
 
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
