@@ -122,8 +122,9 @@ CAUSAL_LMS = {
 
 
 def causal_lm(name: str, num_stages: int, layers: int = 4, **overrides):
-    """A tiny transformers model of CAUSAL_LMS, annotated as a user would: what comes before the blocks
-    on stage 0, the blocks spread evenly, what comes after them (final norm, LM head) on the last stage."""
+    """A tiny transformers model of CAUSAL_LMS, annotated as a user would: the blocks spread evenly, and
+    around them, at every level, what runs before (embeddings) on stage 0 and what runs after (final norm,
+    LM head) on the last stage."""
     import transformers
 
     prefix, settings = CAUSAL_LMS[name]
@@ -132,14 +133,30 @@ def causal_lm(name: str, num_stages: int, layers: int = 4, **overrides):
         attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0, **{**settings, **overrides})
     torch.manual_seed(0)
     model = getattr(transformers, prefix + "ForCausalLM")(config)
-    blocks = max((module for module in model.modules() if isinstance(module, nn.ModuleList)), key=len)
-    stage = 0
-    for child in model.base_model.children():
-        if child is blocks:
-            for index, block in enumerate(blocks):
-                block.pipeline_stage = index * num_stages // len(blocks)
-            stage = num_stages - 1
-        elif any(True for _ in child.parameters()):  # a rotary embedding (buffers only) goes where it is used
-            child.pipeline_stage = stage
-    model.get_output_embeddings().pipeline_stage = num_stages - 1
+    path, blocks = max(((path, module) for path, module in model.named_modules() if isinstance(module, nn.ModuleList)),
+                       key=lambda item: len(item[1]))
+    # Registration order is not run order (OPT registers its final norm before its blocks): run it once.
+    order: dict[nn.Module, int] = {}
+    def note_order(module: nn.Module, args) -> None:
+        order.setdefault(module, len(order))
+
+    hooks = [module.register_forward_pre_hook(note_order) for module in model.modules()]
+    with torch.no_grad():
+        model(torch.zeros(1, 2, dtype=torch.long))
+    for hook in hooks:
+        hook.remove()
+
+    def first_run(module: nn.Module) -> int | None:  # a container may never be called itself (OPT's)
+        return min((order[inner] for inner in module.modules() if inner in order), default=None)
+
+    holder = model
+    for part in path.split("."):
+        on_path = getattr(holder, part)
+        for child in holder.children():
+            # A rotary embedding (buffers only) is left to run where its output is used.
+            if child is not on_path and first_run(child) is not None and any(True for _ in child.parameters()):
+                child.pipeline_stage = 0 if first_run(child) < first_run(on_path) else num_stages - 1
+        holder = on_path
+    for index, block in enumerate(blocks):
+        block.pipeline_stage = index * num_stages // len(blocks)
     return model
