@@ -250,13 +250,13 @@ def _outline_units(exported, units: set[str]) -> torch.fx.Graph:
         elif call not in outlined:
             outlined.add(call)
             _emit_unit_call(graph, call, signatures[call], values, specs)
+    # Code outside every unit that read an inner value was refused above, by `values`; left are uses
+    # inside another unit's body, which its module call would not see.
     for node in exported.graph.nodes:
         call = body_of[node]
-        if call is not None and node.name not in values:
-            escaping = [user for user in node.users if body_of[user] != call and user.op != "output"
-                        and not (body_of[user] is not None and _is_shape_arithmetic(node))]
-            if escaping and node.name not in unit_outputs:
-                raise _inner_value_escapes(node.name, call)
+        if (call is not None and node.name not in values and node.name not in unit_outputs
+                and not _is_shape_arithmetic(node) and any(body_of[user] not in (None, call) for user in node.users)):
+            raise _inner_value_escapes(node.name, call)
     _drop_unused(graph)
     graph.lint()
     graph._pipecomm_attributes = specs  # spec and constant attributes the stage modules need

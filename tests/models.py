@@ -137,6 +137,7 @@ def causal_lm(name: str, num_stages: int, layers: int = 4, **overrides):
                        key=lambda item: len(item[1]))
     # Registration order is not run order (OPT registers its final norm before its blocks): run it once.
     order: dict[nn.Module, int] = {}
+
     def note_order(module: nn.Module, args) -> None:
         order.setdefault(module, len(order))
 

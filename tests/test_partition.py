@@ -349,3 +349,43 @@ def test_device_moves_only_the_requested_stages_layers():
             assert param.is_meta
         else:
             assert param.device.type == "cpu" and torch.equal(param, before[name])
+
+
+class _Notebook:
+    """Plain object two modules share: what one writes, the other reads, outside any forward's outputs."""
+
+
+class _NotebookUser(nn.Module):
+    def __init__(self, notebook):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.notebook = notebook
+
+
+class _Writer(_NotebookUser):
+    def forward(self, x):
+        self.notebook.note = self.linear(x) * 2
+        return x + 1
+
+
+class _Reader(_NotebookUser):
+    def forward(self, x):
+        return self.linear(x) + self.notebook.note
+
+
+class _WriterThenReader(nn.Module):
+    def __init__(self):
+        super().__init__()
+        notebook = _Notebook()
+        self.writer, self.reader = _Writer(notebook), _Reader(notebook)
+
+    def forward(self, x):
+        return self.reader(self.writer(x))
+
+
+def test_a_value_one_module_hands_another_on_the_side_is_refused():
+    # Called as its own module on another stage, the reader would find no note (or a stale one).
+    model = _WriterThenReader()
+    model.writer.pipeline_stage, model.reader.pipeline_stage = 0, 1
+    with pytest.raises(ValueError, match=r"computed inside 'writer', is used outside it without being one of its outputs"):
+        split(model, 2, 0, example_inputs=(torch.randn(2, 4),))
