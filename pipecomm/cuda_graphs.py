@@ -9,7 +9,6 @@ micro-batch it can hold in flight (the schedule says how many), used round-robin
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 
 import torch
@@ -18,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from pipecomm import boundary
 from pipecomm.schedule import Schedule
-from pipecomm.split_backward import deferrable_linears, weight_grad
+from pipecomm.split_backward import DeferredGrad, Deferral, WeightGradStore, unreported, weight_grad
 
 __all__: list[str] = []
 
@@ -57,19 +56,20 @@ class _Slot:
 class GraphedStage:
     """A stage module whose forward and backward replay CUDA graphs captured at the first forward.
 
-    With ``split_backward`` (zero-bubble schedules) the backward is captured as two graphs, as the eager
-    executor splits it: I (input gradients and every parameter's gradient but the deferred Linear weights')
-    and W (those weights' gradients, from the layer's input and output gradient that I left in the slot).
+    With a ``weight_grad_store`` (zero-bubble schedules, whose Linear layers defer to it) the backward is
+    captured as two graphs, as the eager executor splits it: I (input gradients and every parameter's
+    gradient but the deferred Linear weight GEMMs') and W (those GEMMs, from the layer's input and output
+    gradient that I left in the slot).
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], slots: int, stage: int,
-                 loss: Callable | None, split_backward: bool = False):
+                 loss: Callable | None, weight_grad_store: WeightGradStore | None = None):
         self.module = module
         self.params = params
         self.stage = stage
         self.num_slots = slots
         self.loss = loss  # (output, *targets) -> scaled loss, on the last stage
-        self.split_backward = split_backward
+        self.store = weight_grad_store
         self.output_layout: boundary.Layout | None = None  # the output structure without its tensors, from the capture
         self._trainable: tuple[bool, ...] = ()  # each parameter's requires_grad at the capture
         self._slots: list[_Slot] = []
@@ -112,17 +112,16 @@ class GraphedStage:
 
     # -- capture -------------------------------------------------------------------------------
 
-    def _run(self, inputs: boundary.Flat, targets: boundary.Flat, linears: list | None = None) -> list[torch.Tensor]:
-        """The stage (and loss) on ``inputs``; with ``linears``, also records each deferrable Linear's weight, input
-        and output as it runs."""
-        hooks = [layer.register_forward_hook(functools.partial(_record, linears))
-                 for layer in deferrable_linears([self.module])] if linears is not None else []
+    def _run(self, inputs: boundary.Flat, targets: boundary.Flat, deferrals: list | None) -> list[torch.Tensor]:
+        """The stage (and loss) on ``inputs``; with ``deferrals``, the Linear layers record theirs there."""
+        if self.store:
+            self.store.recording = deferrals
         try:
             args, kwargs = boundary.unflatten(inputs.tensors, inputs.layout)
             output = self.module(*args, **kwargs)
         finally:
-            for hook in hooks:
-                hook.remove()
+            if self.store:
+                self.store.recording = None
         if self.loss is not None:
             output = self.loss(output, *boundary.unflatten(targets.tensors, targets.layout))
         flat = boundary.flatten(output)
@@ -145,66 +144,69 @@ class GraphedStage:
         with torch.cuda.stream(side), autocast:
             static_inputs, static_targets = _static_copy(inputs, self.stage > 0), _static_copy(targets, False)
             for _ in range(_WARMUP_ITERATIONS):
-                linears = [] if self.split_backward else None
-                outputs = self._run(static_inputs, static_targets, linears)
+                deferrals = [] if self.store else None
+                outputs = self._run(static_inputs, static_targets, deferrals)
                 grad_outputs = [torch.ones_like(t) for t in outputs if t.requires_grad]
-                self._warm_up_backward(outputs, grad_outputs, static_inputs.tensors, linears)
+                _, deferred = self._input_pass(outputs, grad_outputs, static_inputs.tensors, deferrals)
+                if self.store:
+                    self._weight_pass(deferred)
         torch.cuda.current_stream(device).wait_stream(side)
         for _ in range(self.num_slots):
             static_inputs, static_targets = _static_copy(inputs, self.stage > 0), _static_copy(targets, False)
             pool = torch.cuda.graph_pool_handle()
             forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            weights = torch.cuda.CUDAGraph() if self.split_backward else None
-            linears = [] if self.split_backward else None
+            weights = torch.cuda.CUDAGraph() if self.store else None
+            deferrals = [] if self.store else None
             with autocast:
                 with torch.cuda.graph(forward, pool=pool, capture_error_mode="thread_local"):
-                    outputs = self._run(static_inputs, static_targets, linears)
+                    outputs = self._run(static_inputs, static_targets, deferrals)
                 grad_outputs = [torch.ones_like(t) for t in outputs if t.requires_grad]
                 with torch.cuda.graph(backward, pool=pool, capture_error_mode="thread_local"):
-                    grads, output_grads = self._input_pass(outputs, grad_outputs, static_inputs.tensors, linears)
+                    grads, deferred = self._input_pass(outputs, grad_outputs, static_inputs.tensors, deferrals)
                 weight_grads = None
                 if weights is not None:
                     with torch.cuda.graph(weights, pool=pool, capture_error_mode="thread_local"):
-                        weight_grads = self._weight_pass(linears, output_grads)
+                        weight_grads = self._weight_pass(deferred)
             self._slots.append(_Slot(static_inputs, static_targets, outputs, grad_outputs, forward, backward,
-                                     *self._align(grads, static_inputs.tensors, linears), weights, weight_grads))
+                                     *self._align(grads, static_inputs.tensors), weights, weight_grads))
 
-    def _warm_up_backward(self, outputs: list, grad_outputs: list, inputs: list, linears: list | None) -> None:
-        """What the backward graphs will run, run eagerly."""
-        _, output_grads = self._input_pass(outputs, grad_outputs, inputs, linears)
-        if linears is not None:
-            self._weight_pass(linears, output_grads)
-
-    def _input_pass(self, outputs: list, grad_outputs: list, inputs: list, linears: list | None) -> tuple:
-        """The backward (or, with ``linears``, its I part): gradients of the inputs that require grad and of the
-        trainable parameters (but the deferred weights), and the deferred layers' output gradients."""
-        deferred = {id(weight) for weight, _, _ in linears or ()}
-        wanted = [t for t in inputs if t.requires_grad] + [p for p in self.params
-                                                           if p.requires_grad and id(p) not in deferred]
-        layer_outputs = [output for _, _, output in linears or ()]
+    def _input_pass(self, outputs: list, grad_outputs: list, inputs: list,
+                    deferrals: list[Deferral] | None) -> tuple[tuple, list[DeferredGrad]]:
+        """The backward (or, with ``deferrals``, its I part): gradients of the inputs that require grad and of the
+        trainable parameters, and what the deferring Linear layers leave to W."""
+        wanted = [t for t in inputs if t.requires_grad] + [p for p in self.params if p.requires_grad]
         differentiable = [t for t in outputs if t.requires_grad]
-        if not differentiable or not wanted + layer_outputs:
-            return (None,) * len(wanted), [None] * len(layer_outputs)
-        grads = torch.autograd.grad(differentiable, wanted + layer_outputs, grad_outputs, allow_unused=True)
-        return grads[: len(wanted)], list(grads[len(wanted) :])
+        if not differentiable or not wanted:
+            return (None,) * len(wanted), []
+        deferred: list[DeferredGrad] = []
+        if self.store:
+            self.store.collecting = deferred
+        try:
+            grads = torch.autograd.grad(differentiable, wanted, grad_outputs, allow_unused=True)
+        finally:
+            if self.store:
+                self.store.collecting = None
+        missing = unreported(deferrals or (), differentiable)
+        if missing:
+            raise RuntimeError(f"cuda_graphs: stage {self.stage}: the weight gradients of {', '.join(missing)} "
+                               "(nn.Linear) were deferred to the W pass, but the backward reached their deferral "
+                               "without passing it the layer's output gradient; use a schedule without the split "
+                               "backward (1f1b, interleaved-1f1b, gpipe)")
+        return grads, deferred
 
-    def _weight_pass(self, linears: list, output_grads: list) -> list:
+    def _weight_pass(self, deferred: list[DeferredGrad]) -> list:
         """The deferred weights' gradients, one entry per stage parameter; a layer run twice adds both."""
         by_weight: dict[int, torch.Tensor] = {}
-        for (weight, x, _), grad in zip(linears, output_grads):
-            if grad is not None:
-                part = weight_grad(grad, x).to(weight.dtype)
-                by_weight[id(weight)] = by_weight[id(weight)] + part if id(weight) in by_weight else part
+        for weight, x, grad in deferred:
+            part = weight_grad(grad, x).to(weight.dtype)
+            by_weight[id(weight)] = by_weight[id(weight)] + part if id(weight) in by_weight else part
         return [by_weight.get(id(p)) for p in self.params]
 
-    def _align(self, grads: tuple, inputs: list, linears: list | None) -> tuple[list, list]:
-        """The I pass's results as one entry per input tensor and one per stage parameter (None: no gradient, or
-        left to W)."""
-        deferred = {id(weight) for weight, _, _ in linears or ()}
+    def _align(self, grads: tuple, inputs: list) -> tuple[list, list]:
+        """The I pass's results as one entry per input tensor and one per stage parameter (None: no gradient)."""
         produced = iter(grads)
         input_grads = [next(produced) if t.requires_grad else None for t in inputs]
-        return input_grads, [next(produced) if p.requires_grad and id(p) not in deferred else None
-                             for p in self.params]
+        return input_grads, [next(produced) if p.requires_grad else None for p in self.params]
 
     def _copy_in(self, static: boundary.Flat, values: boundary.Flat, what: str, micro_batch: int) -> None:
         mismatch = boundary.layout_mismatch(values.layout, static.layout)
@@ -219,12 +221,6 @@ class GraphedStage:
                     f"{(tuple(target.shape), target.dtype)}; CUDA graphs need static shapes"
                 )
             target.detach().copy_(value)  # the static input is an autograd leaf
-
-
-def _record(linears: list, layer: nn.Linear, args: tuple, output: torch.Tensor) -> None:
-    # As the eager deferral decides at each forward: a tensor-parallel weight's gradient is left to I.
-    if layer.weight.requires_grad and output.requires_grad and not isinstance(layer.weight, DTensor):
-        linears.append((layer.weight, args[0], output))
 
 
 def _static_copy(values: boundary.Flat, differentiable: bool) -> boundary.Flat:

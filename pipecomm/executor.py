@@ -15,7 +15,7 @@ from pipecomm._ops import accumulate_
 from pipecomm.cuda_graphs import GraphedStage, in_flight_slots
 from pipecomm.device_timing import DeviceTimeline
 from pipecomm.schedule import Action, Schedule
-from pipecomm.split_backward import DeferredGrad, WeightGradStore, weight_grad
+from pipecomm.split_backward import DeferredGrad, Deferral, WeightGradStore, unreported, weight_grad
 from pipecomm.transport.channel import Channel, ChannelError
 
 __all__: list[str] = []
@@ -206,7 +206,8 @@ class StageExecutor:
         self.graphed = {
             stage: GraphedStage(module, sinks[stage].params, in_flight_slots(schedule, rank, stage), stage,
                                 self._scaled_loss if stage == self.last_stage else None,
-                                split_backward=any(a.kind == "I" and a.stage == stage for a in schedule.actions[rank]))
+                                weight_grad_store if any(a.kind == "I" and a.stage == stage
+                                                         for a in schedule.actions[rank]) else None)
             for stage, module in modules.items()
         } if cuda_graphs else {}
         self.timeline: list[tuple[float, float, Action]] = []
@@ -220,6 +221,8 @@ class StageExecutor:
         last one checks that its targets' batch size, ``target_batch``, matches.
         """
         self._start(inputs, targets, batch_size, target_batch, self.schedule.micro_batches)
+        if self.weight_grad_store:
+            self.weight_grad_store.new_step()
         if self.last_stage in self.modules:
             self._check_target_batch(batch_size)  # a one-rank pipeline's own batch; the others' arrives with it
         self.timeline = []
@@ -280,7 +283,7 @@ class StageExecutor:
         self._grads_out: dict[tuple[int, int], tuple | None] = {}
         self._grads_in: dict[tuple[int, int], tuple] = {}
         self._deferred: dict[tuple[int, int], list[DeferredGrad]] = {}
-        self._deferred_weights: dict[tuple[int, int], set[int]] = {}
+        self._deferrals: dict[tuple[int, int], list[Deferral]] = {}
         self._loss: torch.Tensor | None = None
         self._backwards_done: dict[int, int] = dict.fromkeys(self.modules, 0)
 
@@ -321,7 +324,7 @@ class StageExecutor:
             return
         store = self.weight_grad_store
         if store:
-            store.recording = self._deferred_weights[key] = set()
+            store.recording = self._deferrals[key] = []
         saved = None if last else _SavedStorages()
         try:
             with saved.observe() if saved else contextlib.nullcontext():
@@ -381,20 +384,27 @@ class StageExecutor:
         self.sinks[stage].add(param_grads)
 
     def _backward_input(self, stage: int, micro_batch: int) -> None:
-        """Input grads and the cheap parameter grads now (the critical path); Linear weight grads wait for W."""
+        """Input grads and every parameter grad but the deferred Linear weight GEMMs' now (the critical path); those
+        wait for W."""
         if stage in self.graphed:
             self._replay_backward(stage, micro_batch)
             return
         key = (stage, micro_batch)
-        deferred_weights = self._deferred_weights.pop(key)
-        # Not asking for the deferred weights is what makes autograd skip their GEMMs.
-        params = [p for p in self.sinks[stage].params if p.requires_grad and id(p) not in deferred_weights]
+        roots = [out for out, grad in zip(self._outputs[key].tensors, self._grads_out[key] or ()) if grad is not None]
         deferred: list[DeferredGrad] = []
         self.weight_grad_store.collecting = deferred
         try:
-            self._run_stage_backward(stage, micro_batch, params)
+            self._run_stage_backward(stage, micro_batch)
         finally:
             self.weight_grad_store.collecting = None
+        missing = unreported(self._deferrals.pop(key), roots)
+        if missing:
+            raise RuntimeError(
+                f"pipeline rank {self.rank}, stage {stage}, micro-batch {micro_batch}, I pass: the weight gradients of "
+                f"{', '.join(missing)} (nn.Linear) were deferred to the W pass, but the backward reached their "
+                "deferral without passing it the layer's output gradient, so they would get none; something ran "
+                "their backward outside autograd's view of the layer. Use a schedule without the split backward "
+                "(1f1b, interleaved-1f1b, gpipe)")
         self._deferred[key] = deferred
 
     def _backward_weight(self, stage: int, micro_batch: int) -> None:
@@ -404,14 +414,13 @@ class StageExecutor:
             self.sinks[stage].add_weight_grads(self._deferred.pop((stage, micro_batch)))
         self._count_backward(stage)
 
-    def _run_stage_backward(self, stage: int, micro_batch: int, params: list[nn.Parameter] | None = None) -> None:
-        """Backward of a micro-batch towards the stage's inputs and ``params`` (default: its parameters that require grad)."""
+    def _run_stage_backward(self, stage: int, micro_batch: int) -> None:
+        """Backward of a micro-batch towards the stage's inputs and its parameters that require grad."""
         key = (stage, micro_batch)
         outputs, grads = self._outputs.pop(key).tensors, self._grads_out.pop(key)
         inputs = self._stage_inputs.pop(key)
         wanted = [tensor for tensor in inputs if tensor.requires_grad]
-        if params is None:
-            params = [p for p in self.sinks[stage].params if p.requires_grad]
+        params = [p for p in self.sinks[stage].params if p.requires_grad]
         results = _run_backward(outputs, grads, wanted + params, keep_graph=False)
         self._store_input_grads(key, inputs, results[: len(wanted)])
         self.sinks[stage].add(results[len(wanted) :], params)

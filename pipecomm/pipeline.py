@@ -9,6 +9,7 @@ import math
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from pipecomm import _C, boundary, microbatch, transport
 from pipecomm.capture import CapturedStage
+from pipecomm.compiled_modules import replaying_inductor_graphs
 from pipecomm.device_timing import DeviceTimeline
 from pipecomm.auto_schedule import CostMeter, initial_schedule
 from pipecomm.executor import GradientSink, StageExecutor
@@ -125,6 +127,7 @@ class Pipeline:
         self._undo_deferral: Callable[[], None] = lambda: None
         self._undo_recompute: Callable[[], None] = lambda: None
         self._loss_wire: torch.Tensor | None = None
+        self._deferral_checked = False
         self._forward_schedules: dict[int, Schedule] = {}  # inference's, per micro-batch count
         self.planned_costs: dict[str, float] | None = None  # schedule="auto": the F, I and W it planned for
         with self._failing_fast("building the Pipeline"):
@@ -172,10 +175,11 @@ class Pipeline:
                                  if device_timing or (self._costs is not None and self.device.type == "cuda") else None),
             )
             self._device_timing = device_timing
-            self._undo_recompute = checkpoint_stages(modules, recompute, cuda_graphs=cuda_graphs)
-            self._connect(transport, timeout)
             if store:
                 self._undo_deferral = defer_linear_weight_grads(modules, store)
+            # After the deferral: a recomputed Linear then recomputes the deferring forward.
+            self._undo_recompute = checkpoint_stages(modules, recompute, cuda_graphs=cuda_graphs)
+            self._connect(transport, timeout)
             self._last_rank = self.schedule.stage_rank(num_stages - 1)
             self._shared = (
                 SharedParameters(self.modules, lambda s: self._global_rank(self.schedule.stage_rank(s)))
@@ -221,6 +225,7 @@ class Pipeline:
                 target_batch = microbatch.batch_size(targets, "target")
                 split_targets = microbatch.split(targets, self.micro_batches, "target", self.device)
             loss = self._executor.run(split_inputs, split_targets, batch, target_batch)
+            self._check_deferral()
             if self._costs is not None and self._costs.add_step(self._executor):
                 self._switch_to_plan()
             if self._data_parallel:
@@ -372,8 +377,8 @@ class Pipeline:
             return
         self._closed = True
         _live.discard(self)
-        self._undo_deferral()
         self._undo_recompute()
+        self._undo_deferral()
         # In the order they opened (a dict's), the same on every rank: closing an NCCL-backed channel waits for its
         # peer to close the same one (a set's order, which differs between processes, hung two H100s so).
         for channel in self._channels.values():
@@ -386,6 +391,20 @@ class Pipeline:
         self._sharded.finish(stage)
         if self._data_parallel:
             self._data_parallel.start(stage)
+
+    def _check_deferral(self) -> None:
+        """After the first step of a zero-bubble schedule: a warning if no Linear deferred its weight gradient."""
+        store = self._executor.weight_grad_store
+        if store is None or self._deferral_checked:
+            return
+        self._deferral_checked = True
+        if store.deferrals_made == 0:
+            warnings.warn(
+                f"Pipeline rank {self.rank}: schedule {self.schedule.name!r} split the backward, but no nn.Linear of "
+                f"stages {self.stages} deferred its weight gradient to W in the first step: they run inside "
+                "torch.compile'd regions (whose backward computes every gradient in one graph), are frozen, or are "
+                "subclasses with a forward of their own. Training is exact, but the W passes have nothing to fill "
+                "the bubbles with; 1f1b gives the same for less bookkeeping", stacklevel=3)
 
     def _switch_to_plan(self) -> None:
         """schedule="auto", after the measured steps: the slowest rank's F, I and W (a max over the pipeline, so that
@@ -464,7 +483,7 @@ class Pipeline:
         """Closes everything at once, telling each peer why; never raises (peers may be gone)."""
         self._closed = True
         _live.discard(self)
-        for undo in (self._undo_deferral, self._undo_recompute):
+        for undo in (self._undo_recompute, self._undo_deferral):
             with contextlib.suppress(Exception):
                 undo()
         for channel in self._channels.values():
@@ -630,6 +649,13 @@ def _check_configuration(modules, stages, num_stages, num_ranks, schedule) -> No
             raise ValueError(f"Pipeline: the module given as stage {stage} of {num_stages} is stage "
                              f"{module.stage_index} of {module.num_stages} as pipecomm.split made it; split the model "
                              "into as many stages as the Pipeline has, and pass each rank its own")
+        replaying = replaying_inductor_graphs([module])
+        if replaying:
+            raise ValueError(f"Pipeline: stage {stage}'s {', '.join(repr(name) if name else 'module' for name in replaying)} "
+                             "is compiled with inductor's CUDA graphs (mode='reduce-overhead' or 'max-autotune'), whose "
+                             "replays write each call's outputs over the last call's, the activations of a micro-batch "
+                             "still in flight; compile with mode='default' or 'max-autotune-no-cudagraphs', and pass "
+                             "cuda_graphs=True to the Pipeline for graphs that hold each micro-batch apart")
 
 
 def _check_schedule(schedule: Schedule, stages, rank: int, micro_batches: int) -> None:

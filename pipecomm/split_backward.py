@@ -3,22 +3,28 @@
 Zero-bubble schedules run a stage's backward in two parts so that the part the previous stage waits
 for (the input gradients) runs first and the rest fills the bubbles. As in the zero-bubble paper's
 and Megatron's implementations, what is deferred is the weight-gradient GEMM of every ``nn.Linear``
-(half of a transformer's backward FLOPs). The I pass is an ordinary autograd backward that does not
-ask for those weights, so autograd's own Linear backward skips their GEMMs; an identity node on each
-layer's output records the gradient arriving there, and W turns it and the layer's input into the weight
-gradient, accumulated straight into the gradient buffer by the GEMM. That node keeps the input as a
-tensor saved for backward, so inside a checkpointed region (``recompute``) the input is dropped after
-the forward and recomputed like every other saved activation rather than pinned until the backward.
-Every other parameter (norms, embeddings, biases, custom layers) gets its gradient during I, and I
-frees the autograd graph as an ordinary backward does, so between I and W a micro-batch holds only
-what W needs.
+call (half of a transformer's backward FLOPs).
+
+During a step's forward each plain ``nn.Linear`` multiplies by an *alias* of its weight: a detached
+leaf sharing its storage, which no backward ever asks for, so autograd's own Linear backward skips
+that GEMM. An identity node on the layer's output records the gradient arriving there, and W turns
+it and the layer's input into the weight gradient, accumulated straight into the gradient buffer.
+Every other use of the weight (a tied head, an ``F.linear`` on it elsewhere) still reads the weight
+itself, and I computes its part of the gradient as usual. The node keeps the input as a tensor saved
+for backward, so inside a checkpointed region (``recompute``) the input is dropped after the forward
+and recomputed like every other saved activation. Every other parameter gets its gradient during I,
+and I frees the autograd graph as an ordinary backward does.
+
+Inside a region that torch.compile traces, the layer is an ordinary Linear: a compiled backward
+computes its weight gradient whole, so I does, and nothing is deferred. A deferral whose identity
+node is reached by I and yet reports nothing would leave the weight without its gradient, so it is
+an error naming the layer (``unreported``), never a silent omission.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -28,16 +34,32 @@ __all__: list[str] = []
 
 # One deferred weight gradient: (weight, the layer's input, the gradient of its output).
 DeferredGrad = tuple[nn.Parameter, torch.Tensor, torch.Tensor]
+# One deferral a forward made: (the layer's name, the identity node its backward runs).
+Deferral = tuple[str, torch.autograd.graph.Node]
 
 
 class WeightGradStore:
-    """What a stage's deferred Linear layers report to the executor."""
+    """What a stage's deferring Linear layers and the executor share."""
 
     def __init__(self):
-        # During a forward: the weights whose gradients that micro-batch leaves to W.
-        self.recording: set[int] | None = None
+        # During a micro-batch's forward: the deferrals it makes, in call order.
+        self.recording: list[Deferral] | None = None
         # During that micro-batch's I pass: what W needs.
         self.collecting: list[DeferredGrad] | None = None
+        self.deferrals_made = 0  # over the store's life: zero after a step means W had nothing to do
+        self._aliases: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+
+    def alias(self, weight: nn.Parameter) -> torch.Tensor:
+        """The weight's alias for this step: one for every micro-batch, so that autocast casts it once, as it does the
+        weight (its cache keeps casts of leaves that require grad)."""
+        entry = self._aliases.get(id(weight))
+        if entry is None or entry[0] is not weight:  # the weight is held, so its id cannot have been reused
+            entry = self._aliases[id(weight)] = (weight, weight.detach().requires_grad_())
+        return entry[1]
+
+    def new_step(self) -> None:
+        """Forgets the aliases: a weight frozen, replaced or resharded between steps gets a fresh one."""
+        self._aliases.clear()
 
 
 def weight_grad(grad_output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -55,6 +77,7 @@ class _ReportInput(torch.autograd.Function):
         # Saved, not closed over: a checkpoint's saved-tensor hooks then drop it and recompute it for the backward.
         ctx.save_for_backward(x)
         ctx.weight, ctx.store, ctx.deferred = weight[0], store, deferred
+        ctx.reported = False
         # An alias that is no view: a stage's executor may still free a sent output that nothing saved.
         return output.detach()
 
@@ -63,53 +86,79 @@ class _ReportInput(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         if ctx.deferred and ctx.store.collecting is not None:
             ctx.store.collecting.append((ctx.weight, x, grad_output))
+            ctx.reported = True
         return grad_output, None, None, None, None
 
 
-def _after_forward(store: WeightGradStore, layer: nn.Linear, args: tuple, output):
-    # Whether the weight is frozen is read here, at each forward: users freeze and unfreeze between steps.
-    if not layer.weight.requires_grad or not output.requires_grad:
-        return None
-    if isinstance(layer.weight, DTensor):
-        return None  # tensor-parallel: its input and output gradient are laid out across ranks; I computes it
-    x = args[0]
-    if not (x.requires_grad or (layer.bias is not None and layer.bias.requires_grad)):
-        # Nothing the I pass asks for runs through this layer's backward, so it would never see the
-        # output gradient: this micro-batch's I computes the weight gradient as usual.
-        return None
+def _deferring_forward(layer: nn.Linear, name: str, store: WeightGradStore, input: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward``, deferring the weight gradient while the store records a step's forward."""
+    weight, bias = layer.weight, layer.bias
+    if torch.compiler.is_compiling() or not _may_defer(weight, bias, input):
+        return nn.functional.linear(input, weight, bias)
     deferred = store.recording is not None
-    if deferred:
-        store.recording.add(id(layer.weight))
+    output = nn.functional.linear(input, store.alias(weight) if deferred else weight, bias)
     # Applied outside a step's forwards too (deferring nothing): a checkpoint's recomputation, which runs
     # during the backward, must save the same tensors as the forward it replays.
     # The weight goes in a tuple, so that the node gets no gradient edge to it.
-    return _ReportInput.apply(output, x, (layer.weight,), store, deferred)
+    output = _ReportInput.apply(output, input, (weight,), store, deferred)
+    if deferred:
+        store.recording.append((name, output.grad_fn))
+        store.deferrals_made += 1
+    return output
 
 
-def deferrable_linears(modules: Iterable[nn.Module]) -> list[nn.Linear]:
-    """The layers whose weight gradients a W pass may compute: plain ``nn.Linear`` layers of ``modules`` whose weight
-    nothing else among them uses. Whether a forward defers one is decided as it runs (frozen, tensor-parallel)."""
-    modules = list(modules)
-    uses = collections.Counter(id(p) for m in modules for _, p in m.named_parameters(remove_duplicate=False))
-    return [layer for module in modules for layer in module.modules()
-            if type(layer) is nn.Linear and uses[id(layer.weight)] == 1]
+def _may_defer(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> bool:
+    # Read at each forward: users freeze and unfreeze between steps, and hook-based reparametrizations
+    # (weight_norm) set a computed weight, whose gradient must flow on to what it was computed from.
+    if not (torch.is_grad_enabled() and weight.requires_grad and isinstance(weight, nn.Parameter)):
+        return False
+    if isinstance(weight, DTensor):
+        return False  # tensor-parallel: its input and output gradient are laid out across ranks; I computes it
+    # Otherwise nothing the I pass asks for runs through this layer's backward, so it would never see the output
+    # gradient: I computes the weight gradient as usual.
+    return x.requires_grad or (bias is not None and bias.requires_grad)
+
+
+def deferrable_linears(modules: Iterable[nn.Module]) -> dict[str, nn.Linear]:
+    """The layers whose weight gradients a W pass may compute, by name: ``nn.Linear`` itself (a subclass may compute
+    otherwise, as nn.MultiheadAttention's out_proj does) with the class's own forward."""
+    found: dict[int, tuple[str, nn.Linear]] = {}
+    for module in modules:
+        for name, layer in module.named_modules():
+            if type(layer) is nn.Linear and "forward" not in layer.__dict__:
+                found.setdefault(id(layer), (name, layer))
+    return dict(found.values())
 
 
 def defer_linear_weight_grads(modules: Iterable[nn.Module], store: WeightGradStore) -> Callable[[], None]:
-    """Makes the plain ``nn.Linear`` layers of ``modules`` report to ``store``; returns the undo.
-
-    A layer whose weight is also used elsewhere (a tied embedding) is left alone, since its other
-    uses need the weight's gradient from I. So are subclasses (nn.MultiheadAttention reads its
-    out_proj's weight directly) and torch.compile'd modules, whose graphs would not call the hooks.
-    """
-    modules = list(modules)
-    if any(isinstance(module, torch._dynamo.eval_frame.OptimizedModule) for module in modules):
-        return lambda: None
-    handles = [layer.register_forward_hook(functools.partial(_after_forward, store))
-               for layer in deferrable_linears(modules)]
+    """Makes the ``deferrable_linears`` of ``modules`` defer their weight gradients while ``store`` records; returns
+    the undo. The layers' forward hooks, the user's own included, see the layer's output as usual."""
+    layers = deferrable_linears(modules)
+    for name, layer in layers.items():
+        layer.forward = functools.partial(_deferring_forward, layer, name, store)
 
     def undo() -> None:
-        for handle in handles:
-            handle.remove()
+        for layer in layers.values():
+            forward = layer.__dict__.get("forward")
+            # Left in place where something wrapped it since (a recomputation still installed): with the store no
+            # longer recording, it defers nothing.
+            if isinstance(forward, functools.partial) and forward.func is _deferring_forward:
+                del layer.forward
 
     return undo
+
+
+def unreported(deferrals: Sequence[Deferral], roots: Sequence[torch.Tensor]) -> list[str]:
+    """The layers among ``deferrals`` whose identity node a backward from ``roots`` reached without it reporting: their
+    weight gradients would be missing (a node that is not reached, like its layer's output, had no part in the loss)."""
+    silent = {node: name for name, node in deferrals if not node.reported}
+    if not silent:
+        return []
+    reached, pending = set(), [root.grad_fn for root in roots if root.grad_fn is not None]
+    while pending:
+        node = pending.pop()
+        if node in reached:
+            continue
+        reached.add(node)
+        pending.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return [name for node, name in silent.items() if node in reached]

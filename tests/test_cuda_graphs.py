@@ -11,6 +11,7 @@ from torch import nn
 
 from pipecomm.cuda_graphs import GraphedStage, in_flight_slots
 from pipecomm.schedule import make_schedule
+from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
 from ranks import needs_cuda
 
 
@@ -110,7 +111,9 @@ def test_split_backward_replays_equal_eager_input_and_weight_gradients():
     module = Twice().cuda()
     reference = copy.deepcopy(module)
     params = list(module.parameters())
-    graphed = GraphedStage(module, params, slots=2, stage=1, loss=None, split_backward=True)
+    store = WeightGradStore()
+    defer_linear_weight_grads([module], store)
+    graphed = GraphedStage(module, params, slots=2, stage=1, loss=None, weight_grad_store=store)
     xs = [torch.randn(4, 16, device="cuda", requires_grad=True) for _ in range(2)]
     grads = [torch.randn(4, 8, device="cuda") for _ in range(2)]
     for micro_batch in (0, 1):

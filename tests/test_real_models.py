@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.distributed.tensor import DTensor
 
 from models import CAUSAL_LMS, VOCAB, LongSkip, ResidualCNN, causal_lm, gpt2, llama
@@ -44,12 +45,14 @@ def reference_step(model, inputs, kwargs, target, loss_fn, micro_batches: int):
 
 
 def train_and_compare(rank, world_size, build, loss_fn, make_batch, schedule, virtual, micro_batches, kind="cpu",
-                      cuda_graphs=False):
-    """3 AdamW steps of the split model against the unsplit one: every step's loss and, at the end, every parameter."""
+                      cuda_graphs=False, compile_blocks=False):
+    """3 AdamW steps of the split model against the unsplit one: every step's loss and, at the end, every parameter.
+    With ``compile_blocks``, the model's blocks are compiled in place before the split (the reference stays eager)."""
     device = rank_device(rank, kind)
     num_stages = world_size * virtual
     model = build(num_stages)
     reference = copy.deepcopy(model)
+    compiler = _compile_blocks(model) if compile_blocks else None
     inputs, kwargs, _ = make_batch(100)
     example = tuple(value[:2] for value in inputs)
     example_kwargs = {key: value[:2] for key, value in kwargs.items()}
@@ -83,8 +86,18 @@ def train_and_compare(rank, world_size, build, loss_fn, make_batch, schedule, vi
             torch.testing.assert_close(buffer.cpu(), ref_buffers[name], **tolerance, msg=name)
     assert set(own) <= set(params)
     assert schedule != "auto" or pipe.planned_costs is not None, "auto never switched to its plan"
+    assert compiler is None or compiler.frame_count > 0, "the compiled blocks never compiled"
     pipe.close()
     return "ok"
+
+
+def _compile_blocks(model: nn.Module) -> CompileCounterWithBackend:
+    """Compiles each block in place (torchtitan's recipe); counts what dynamo compiles."""
+    compiler = CompileCounterWithBackend("aot_eager")
+    for module in model.modules():
+        if type(module).__name__.endswith(("GPT2Block", "LlamaDecoderLayer")):  # fully_shard's subclass: FSDP...
+            module.compile(backend=compiler)
+    return compiler
 
 
 LM_CASES = [
@@ -99,6 +112,13 @@ LM_CASES = [
 def test_hugging_face_language_models_train_exactly(tmp_path, build, schedule, world_size, virtual, micro_batches):
     assert run_ranks(world_size, train_and_compare, tmp_path, build, lm_loss, lm_batch, schedule, virtual,
                      micro_batches, timeout=240) == ["ok"] * world_size
+
+
+@pytest.mark.parametrize(("build", "schedule", "virtual"), [(llama, "zb-h1", 1), (gpt2, "zb-v", 2)],
+                         ids=["llama-zb-h1", "gpt2-zb-v"])
+def test_hugging_face_blocks_compiled_before_the_split_train_exactly(tmp_path, build, schedule, virtual):
+    assert run_ranks(2, train_and_compare, tmp_path, build, lm_loss, lm_batch, schedule, virtual, 4, "cpu", False,
+                     True, timeout=300) == ["ok"] * 2
 
 
 @pytest.mark.parametrize("name", sorted(CAUSAL_LMS))
@@ -215,9 +235,10 @@ def test_greedy_decoding_token_for_token_with_a_broadcast_result(tmp_path, batch
     assert run_ranks(2, greedy_decoding, tmp_path, batch, timeout=180) == ["ok"] * 2
 
 
-def fsdp_and_pipeline(rank, world_size, build, schedule):
+def fsdp_and_pipeline(rank, world_size, build, schedule, compile_blocks=False):
     """pp 2 × FSDP dp 2: each transformer block sharded over the replicas (the tied embedding and head stay whole),
-    3 AdamW steps against one process accumulating over the same micro-batches of the global batch."""
+    3 AdamW steps against one process accumulating over the same micro-batches of the global batch; with
+    ``compile_blocks``, each sharded block then compiled in place."""
     from torch.distributed.fsdp import fully_shard
 
     ctx = pipecomm.init(pipeline_size=2, data_size=2)
@@ -231,6 +252,7 @@ def fsdp_and_pipeline(rank, world_size, build, schedule):
     assert blocks
     for block in blocks:
         fully_shard(block, mesh=ctx.mesh["dp"])
+    compiler = _compile_blocks(stage) if compile_blocks else None
     pipe = pipecomm.Pipeline(stage, stage=ctx.stage, num_stages=2, loss_fn=lm_loss, micro_batches=micro_batches,
                              schedule=schedule, group=ctx.pipeline_group, data_group=ctx.data_group, timeout=60)
     optimizer = torch.optim.AdamW(list({id(p): p for p in pipe.parameters()}.values()), lr=1e-2)
@@ -248,6 +270,7 @@ def fsdp_and_pipeline(rank, world_size, build, schedule):
     for name, param in stage.named_parameters():
         param = param.full_tensor() if isinstance(param, DTensor) else param
         torch.testing.assert_close(param.detach(), ref_params[name].detach(), rtol=1e-4, atol=1e-5, msg=name)
+    assert compiler is None or compiler.frame_count > 0, "the compiled blocks never compiled"
     pipe.close()
     return "ok"
 
@@ -256,3 +279,7 @@ def fsdp_and_pipeline(rank, world_size, build, schedule):
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_hugging_face_models_with_fsdp_blocks_train_exactly(tmp_path, build, schedule):
     assert run_ranks(4, fsdp_and_pipeline, tmp_path, build, schedule, timeout=240) == ["ok"] * 4
+
+
+def test_fsdp_sharded_blocks_compiled_in_place_train_exactly_under_zero_bubble(tmp_path):
+    assert run_ranks(4, fsdp_and_pipeline, tmp_path, llama, "zb-h1", True, timeout=300) == ["ok"] * 4

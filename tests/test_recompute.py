@@ -17,7 +17,7 @@ from pipecomm import executor
 from pipecomm.executor import GradientSink
 from pipecomm.recompute import checkpoint_stages
 from pipecomm.schedule import SCHEDULES
-from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
+from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads, unreported
 
 BATCH = 8
 SEQ = 3
@@ -245,23 +245,24 @@ def test_deferred_weight_gradients_take_their_inputs_from_the_recomputation(reco
     stage = Gated(last=False)
     reference = copy.deepcopy(stage)
     store = WeightGradStore()
-    undo_recompute = checkpoint_stages([stage], recompute)
     undo_deferral = defer_linear_weight_grads([stage], store)
+    undo_recompute = checkpoint_stages([stage], recompute)  # as the Pipeline does: recomputing the deferring forward
     linear_inputs = []
     pin_check = stage.block.proj.register_forward_pre_hook(
         lambda _, args: linear_inputs.append(weakref.ref(args[0])) if not linear_inputs else None)
     x = torch.randn(BATCH, HIDDEN, requires_grad=True)
-    store.recording = deferred_weights = set()
+    store.recording = deferrals = []
     outputs = list(stage(x))
     store.recording = None
-    assert deferred_weights == {id(layer.weight) for layer in (stage.block.proj, stage.side, stage.gate.proj)}
+    assert sorted(name for name, _ in deferrals) == ["block.proj", "gate.proj", "side"]
     assert linear_inputs[0]() is None, "a checkpointed Linear's input is not pinned until the backward"
 
     grads = [torch.randn(BATCH, HIDDEN) for _ in outputs]
-    params = [p for p in stage.parameters() if p.requires_grad and id(p) not in deferred_weights]
+    params = [p for p in stage.parameters() if p.requires_grad]
     store.collecting = collected = []
     results = stage_backward(x, outputs, grads, params)
     store.collecting = None
+    assert unreported(deferrals, outputs) == [] and len(collected) == 3
     sink = GradientSink(list(stage.parameters()), main_grad=False)
     sink.add(results[1:], params)
     sink.add_weight_grads(collected)
