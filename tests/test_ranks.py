@@ -1,0 +1,62 @@
+"""The multi-process harness itself: ranks forked from a server that imported torch once, each test's ranks fresh; a
+failing rank is named with its traceback, a hanging one fails within the timeout, and the next test still runs."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from ranks import run_ranks
+
+_LEFT_BEHIND: list[int] = []  # a module global a test's rank sets: the next test's ranks must not see it
+
+
+def report_rank(rank: int, world_size: int) -> tuple:
+    _LEFT_BEHIND.append(rank)
+    return rank, world_size, dist.get_world_size(), len(_LEFT_BEHIND), "transformers" in sys.modules
+
+
+def test_each_test_gets_fresh_ranks_that_imported_torch_and_transformers_once(tmp_path):
+    for _ in range(2):
+        # The second call's ranks see nothing of the first's; transformers is there without this module importing it.
+        assert run_ranks(3, report_rank, tmp_path) == [(rank, 3, 3, 1, True) for rank in range(3)]
+
+
+def fail_on_rank_one(rank: int, world_size: int) -> str:
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    return "fine"
+
+
+def hang_on_rank_zero(rank: int, world_size: int) -> str:
+    if rank == 0:
+        time.sleep(3600)
+    return "fine"
+
+
+def exit_on_rank_zero(rank: int, world_size: int) -> str:
+    if rank == 0:
+        os._exit(3)
+    return "fine"
+
+
+def test_a_failing_rank_is_named_with_its_traceback_and_the_next_test_runs(tmp_path):
+    with pytest.raises(AssertionError, match=r"rank 1 failed:\n(.|\n)*in fail_on_rank_one(.|\n)*rank 1 fails on purpose"):
+        run_ranks(2, fail_on_rank_one, tmp_path)
+    assert run_ranks(2, report_rank, tmp_path) == [(rank, 2, 2, 1, True) for rank in range(2)]
+
+
+def test_a_hanging_rank_fails_the_test_and_the_next_test_runs(tmp_path):
+    with pytest.raises(AssertionError, match=r"ranks \[0\] gave no result within 2 s \(hang\?\)"):
+        run_ranks(2, hang_on_rank_zero, tmp_path, timeout=2)
+    assert run_ranks(2, report_rank, tmp_path) == [(rank, 2, 2, 1, True) for rank in range(2)]
+
+
+def test_a_rank_that_exits_fails_the_test_unless_allowed_to(tmp_path):
+    with pytest.raises(AssertionError, match="rank 0 exited with code 3 without a result"):
+        run_ranks(2, exit_on_rank_zero, tmp_path)
+    assert run_ranks(2, exit_on_rank_zero, tmp_path, may_exit=frozenset({0})) == [3, "fine"]
