@@ -246,7 +246,10 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *, de
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    context = mp.get_context("spawn")
+    # Forked from one server process that imported these once, instead of a fresh interpreter importing torch per
+    # rank (seconds each on a small machine); the server starts clean, so a parent that used CUDA is no obstacle.
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "pipecomm"])
     messages = context.Queue()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))

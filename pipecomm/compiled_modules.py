@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule, _TorchDynamoContext
 
 __all__: list[str] = []
 
@@ -19,6 +19,8 @@ def replaying_inductor_graphs(modules: Iterable[nn.Module]) -> list[str]:
     overwrites the first one's activations (torch raises at the first step; under ``cuda_graphs=True`` the capture
     fails). Found through torch.compile's own objects; a module they do not show is not reported.
     """
+    if "torch._dynamo" not in sys.modules:
+        return []  # nothing was compiled; importing dynamo to find that out would add most of a second to every rank
     return [name for module in modules for name, inner in module.named_modules() if _uses_cudagraphs(inner)]
 
 
@@ -35,8 +37,10 @@ def _uses_cudagraphs(module: nn.Module) -> bool:
     return False
 
 
-def _compile_contexts(module: nn.Module) -> list[_TorchDynamoContext]:
+def _compile_contexts(module: nn.Module) -> list:
     """The torch.compile contexts of a ``torch.compile(module)`` wrapper or a module compiled in place."""
+    from torch._dynamo.eval_frame import OptimizedModule, _TorchDynamoContext
+
     contexts = [module.dynamo_ctx] if isinstance(module, OptimizedModule) else []
     compiled = module.__dict__.get("_compiled_call_impl")  # nn.Module.compile()
     for cell in getattr(compiled, "__closure__", None) or ():
