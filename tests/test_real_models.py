@@ -114,11 +114,19 @@ def test_hugging_face_language_models_train_exactly(tmp_path, build, schedule, w
                      micro_batches, timeout=240) == ["ok"] * world_size
 
 
-@pytest.mark.parametrize(("build", "schedule", "virtual"), [(llama, "zb-h1", 1), (gpt2, "zb-v", 2)],
-                         ids=["llama-zb-h1", "gpt2-zb-v"])
+@pytest.mark.parametrize(("build", "schedule", "virtual"),
+                         [(llama, "zb-h1", 1), (gpt2, "zb-v", 2), (llama, "auto", 1)],
+                         ids=["llama-zb-h1", "gpt2-zb-v", "llama-auto"])
 def test_hugging_face_blocks_compiled_before_the_split_train_exactly(tmp_path, build, schedule, virtual):
     assert run_ranks(2, train_and_compare, tmp_path, build, lm_loss, lm_batch, schedule, virtual, 4, "cpu", False,
                      True, timeout=300) == ["ok"] * 2
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@needs_cuda
+def test_hugging_face_blocks_compiled_before_the_split_replay_cuda_graphs_exactly(tmp_path, schedule):
+    assert run_ranks(2, train_and_compare, tmp_path, llama, lm_loss, lm_batch, schedule, 1, 4, "cuda", True, True,
+                     timeout=300) == ["ok"] * 2
 
 
 @pytest.mark.parametrize("name", sorted(CAUSAL_LMS))
