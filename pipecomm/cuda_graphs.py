@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from pipecomm import boundary
 from pipecomm.schedule import Schedule
-from pipecomm.split_backward import DeferredGrad, Deferral, WeightGradStore, unreported, weight_grad
+from pipecomm.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported, weight_grad
 
 __all__: list[str] = []
 
@@ -186,12 +186,7 @@ class GraphedStage:
         finally:
             if self.store:
                 self.store.collecting = None
-        missing = unreported(deferrals or (), differentiable)
-        if missing:
-            raise RuntimeError(f"cuda_graphs: stage {self.stage}: the weight gradients of {', '.join(missing)} "
-                               "(nn.Linear) were deferred to the W pass, but the backward reached their deferral "
-                               "without passing it the layer's output gradient; use a schedule without the split "
-                               "backward (1f1b, interleaved-1f1b, gpipe)")
+        check_reported(deferrals or (), differentiable, f"cuda_graphs: stage {self.stage}, capture of the I pass")
         return grads, deferred
 
     def _weight_pass(self, deferred: list[DeferredGrad]) -> list:

@@ -15,7 +15,7 @@ from pipecomm._ops import accumulate_
 from pipecomm.cuda_graphs import GraphedStage, in_flight_slots
 from pipecomm.device_timing import DeviceTimeline
 from pipecomm.schedule import Action, Schedule
-from pipecomm.split_backward import DeferredGrad, Deferral, WeightGradStore, unreported, weight_grad
+from pipecomm.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported, weight_grad
 from pipecomm.transport.channel import Channel, ChannelError
 
 __all__: list[str] = []
@@ -397,14 +397,8 @@ class StageExecutor:
             self._run_stage_backward(stage, micro_batch)
         finally:
             self.weight_grad_store.collecting = None
-        missing = unreported(self._deferrals.pop(key), roots)
-        if missing:
-            raise RuntimeError(
-                f"pipeline rank {self.rank}, stage {stage}, micro-batch {micro_batch}, I pass: the weight gradients of "
-                f"{', '.join(missing)} (nn.Linear) were deferred to the W pass, but the backward reached their "
-                "deferral without passing it the layer's output gradient, so they would get none; something ran "
-                "their backward outside autograd's view of the layer. Use a schedule without the split backward "
-                "(1f1b, interleaved-1f1b, gpipe)")
+        check_reported(self._deferrals.pop(key), roots,
+                       f"pipeline rank {self.rank}, stage {stage}, micro-batch {micro_batch}, I pass")
         self._deferred[key] = deferred
 
     def _backward_weight(self, stage: int, micro_batch: int) -> None:

@@ -18,7 +18,7 @@ and I frees the autograd graph as an ordinary backward does.
 Inside a region that torch.compile traces, the layer is an ordinary Linear: a compiled backward
 computes its weight gradient whole, so I does, and nothing is deferred. A deferral whose identity
 node is reached by I and yet reports nothing would leave the weight without its gradient, so it is
-an error naming the layer (``unreported``), never a silent omission.
+an error naming the layer (``check_reported``), never a silent omission.
 """
 
 from __future__ import annotations
@@ -148,12 +148,13 @@ def defer_linear_weight_grads(modules: Iterable[nn.Module], store: WeightGradSto
     return undo
 
 
-def unreported(deferrals: Sequence[Deferral], roots: Sequence[torch.Tensor]) -> list[str]:
-    """The layers among ``deferrals`` whose identity node a backward from ``roots`` reached without it reporting: their
-    weight gradients would be missing (a node that is not reached, like its layer's output, had no part in the loss)."""
+def check_reported(deferrals: Sequence[Deferral], roots: Sequence[torch.Tensor], where: str) -> None:
+    """Raises, naming the layers, if a backward from ``roots`` reached a deferral among ``deferrals`` that reported
+    nothing: their weight gradients would be missing (a deferral that is not reached, like its layer's output, had no
+    part in the loss). ``where`` leads the message (rank, stage, micro-batch)."""
     silent = {node: name for name, node in deferrals if not node.reported}
     if not silent:
-        return []
+        return
     reached, pending = set(), [root.grad_fn for root in roots if root.grad_fn is not None]
     while pending:
         node = pending.pop()
@@ -161,4 +162,10 @@ def unreported(deferrals: Sequence[Deferral], roots: Sequence[torch.Tensor]) -> 
             continue
         reached.add(node)
         pending.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
-    return [name for node, name in silent.items() if node in reached]
+    missing = [name for node, name in silent.items() if node in reached]
+    if missing:
+        raise RuntimeError(
+            f"{where}: the weight gradients of {', '.join(missing)} (nn.Linear) were deferred to the W pass, but the "
+            "backward reached their deferral without passing it the layer's output gradient, so they would get none; "
+            "something ran their backward outside autograd's view of the layer. Use a schedule without the split "
+            "backward (1f1b, interleaved-1f1b, gpipe)")
