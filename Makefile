@@ -3,17 +3,18 @@ PYTHON ?= python3
 NATIVE_BUILD := build/native
 EXTENSION_STAMP := build/.extension-built
 
-.PHONY: demo test deps native-test clean
+.PHONY: demo test deps native-build native-test clean
 
 demo: $(EXTENSION_STAMP)
 	$(PYTHON) examples/demo.py
 
-# Times itself, the extension's build included: the suite is meant to take minutes.
+# Times itself, the builds included: the suite is meant to take minutes. The extension and the native tests build side
+# by side; pytest runs in shards side by side (scripts/run_tests.py; PYTEST_SHARDS=1 for one plain run).
 test:
 	@started=$$(date +%s); status=0; \
-	$(MAKE) --no-print-directory $(EXTENSION_STAMP) || status=$$?; \
+	$(MAKE) --no-print-directory -j2 $(EXTENSION_STAMP) native-build || status=$$?; \
 	if [ $$status -eq 0 ]; then \
-	  $(PYTHON) -m pytest tests -q || status=$$?; \
+	  $(PYTHON) scripts/run_tests.py -q || status=$$?; \
 	  if [ $$status -eq 5 ]; then echo "pytest collected no tests"; fi; \
 	fi; \
 	if [ $$status -eq 0 ]; then $(MAKE) --no-print-directory native-test || status=$$?; fi; \
@@ -28,9 +29,11 @@ $(EXTENSION_STAMP): setup.py pyproject.toml $(shell find csrc -type f) | deps
 	$(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
 	@mkdir -p build && touch $@
 
-native-test: | deps
+native-build: | deps
 	cmake -S . -B $(NATIVE_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython3_EXECUTABLE=$$(command -v $(PYTHON))
 	cmake --build $(NATIVE_BUILD)
+
+native-test: native-build
 	ctest --test-dir $(NATIVE_BUILD) --output-on-failure
 
 clean:

@@ -16,7 +16,7 @@ PASS_KINDS = ("F", "I", "W")  # and their codes in array-encoded orders: 0, 1, 2
 
 def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[str, float],
                  memory_cap: float, *, weights_before_forwards: bool = False, deepest_gradient_first: bool = False,
-                 first_stage_lead: Sequence[int] | None = None) -> list[list[Pass]]:
+                 first_stage_lead: Sequence[int] | None = None, jit: bool = True) -> list[list[Pass]]:
     """Each rank's order of F, I and W passes, as the zero-bubble paper's greedy scheduler builds them.
 
     ``placement[s]`` is the rank of stage s. Time runs on the costs (``F``, ``I``, ``W``: one pass
@@ -29,10 +29,11 @@ def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[st
     the oldest micro-batch. ``first_stage_lead[r]`` bounds how many micro-batches rank r's first
     stage may run ahead of its last in forwards (ranks holding several stages): memory that the first
     stage's early forwards would hold stays free for the last stage's. An activation counts 1/v on a
-    rank holding v stages and is held from its F until its W. Runs numba-jitted where numba is installed.
+    rank holding v stages and is held from its F until its W. Runs numba-jitted where numba is installed,
+    unless ``jit`` is False (a single small build: numba's first use in a process costs about a second).
     """
-    build = compiled(_build_arrays)
-    if build is _build_arrays:  # without numba the dictionaries' version is the faster
+    build = compiled(_build_arrays) if jit else _build_arrays
+    if build is _build_arrays:  # in Python the dictionaries' version is the faster
         return _build_orders_python(placement, micro_batches, costs, memory_cap, weights_before_forwards,
                                     deepest_gradient_first, first_stage_lead)
     num_ranks = max(placement) + 1

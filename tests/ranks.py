@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import queue
 import socket
@@ -25,10 +26,12 @@ import torch.distributed as dist
 import pipecomm
 
 
-# What the rank server imports once. Not this module: its import asks whether CUDA is available, which would
-# initialize the CUDA driver in the server, and a process forked after that cannot use CUDA.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "pipecomm", "pytest", "numpy", "transformers",
-            "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
+# What the rank server imports once, so that no rank spends its CPU on it: what the test modules import (a rank
+# imports its test's module to find the function it runs; torch._dynamo.testing brings functorch and networkx, 0.35 s).
+# Not this module: its import asks whether CUDA is available, which would initialize the CUDA driver in the server,
+# and a process forked after that cannot use CUDA.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo.testing", "pipecomm", "pytest",
+            "numpy", "transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
 
 
 _calls = itertools.count()
@@ -38,6 +41,12 @@ def _rank_context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)  # read when the server starts, at the first rank of the session
     return context
+
+
+def start_rank_server() -> None:
+    """Starts the rank server now, with these preloads, instead of at the first ranks a test runs."""
+    _rank_context()
+    multiprocessing.forkserver.ensure_running()
 
 
 def _entry(rank: int, world_size: int, store_path: str | int, process_group: str, results, fn, args) -> None:

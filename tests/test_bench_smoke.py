@@ -2,22 +2,58 @@
 
 from __future__ import annotations
 
+import importlib
 import json
-import subprocess
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+import ranks
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
-def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH / script), "--smoke", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+@dataclass
+class BenchRun:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def test_p2p_smoke_measures_every_phase(tmp_path):
+@pytest.fixture
+def run_bench(monkeypatch, capsys):
+    """Runs a bench script's main() in this process, as ``python bench/<script> [--smoke] args`` would: its exit status
+    and what it printed. The scripts' ranks are forked from the tests' rank server, which has torch, pipecomm and
+    transformers imported, instead of a new interpreter per script importing them twice (7 s of CPU each)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    ranks.start_rank_server()  # before a script names its own preloads, which would then apply to every later test
+    environment, threads = dict(os.environ), torch.get_num_threads()
+
+    def run(script: str, *args: str, smoke: bool = True) -> BenchRun:
+        module = importlib.import_module(script.removesuffix(".py"))
+        monkeypatch.setattr(sys, "argv", [str(BENCH / script), *(["--smoke"] if smoke else []), *args])
+        try:
+            module.main()
+            returncode = 0
+        except SystemExit as exit:  # as the interpreter reports it: a message goes to standard error with status 1
+            if isinstance(exit.code, str):
+                print(exit.code, file=sys.stderr)
+            returncode = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+        finally:
+            os.environ.clear()
+            os.environ.update(environment)
+            torch.set_num_threads(threads)
+        captured = capsys.readouterr()
+        return BenchRun(returncode, captured.out, captured.err)
+
+    return run
+
+
+def test_p2p_smoke_measures_every_phase(tmp_path, run_bench):
     result = run_bench("p2p.py", "--json", str(tmp_path / "p2p.json"), "--profile", str(tmp_path / "profile"))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "p2p.json").read_text())
@@ -29,7 +65,7 @@ def test_p2p_smoke_measures_every_phase(tmp_path):
         assert "pipecomm.recv" in (tmp_path / "profile" / f"pingpong-rank{rank}.txt").read_text()
 
 
-def test_e2e_smoke_sweeps_micro_batch_counts(tmp_path):
+def test_e2e_smoke_sweeps_micro_batch_counts(tmp_path, run_bench):
     result = run_bench("e2e.py", "--configs", "compute", "--micro-batches", "2,4", "--schedules",
                        "1f1b,zb-h1,torch 1F1B", "--json", str(tmp_path / "e2e.json"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -43,7 +79,7 @@ def test_e2e_smoke_sweeps_micro_batch_counts(tmp_path):
         assert max(row["loss"] for row in rows) == pytest.approx(min(row["loss"] for row in rows), rel=1e-5)
 
 
-def test_e2e_smoke_runs_the_v_zero_bubble_and_auto_rows(tmp_path):
+def test_e2e_smoke_runs_the_v_zero_bubble_and_auto_rows(tmp_path, run_bench):
     # 4 micro-batches: DualPipeV needs as many as stages (2 x 2 ranks in the V).
     schedules = ["zb-v", "zb-h2", "auto", "torch 1F1B", "torch ZBVZeroBubble", "torch DualPipeV"]
     result = run_bench("e2e.py", "--configs", "compute", "--micro-batches", "4", "--steps", "1", "--warmup", "0",
@@ -84,7 +120,7 @@ def test_e2e_memory_bound_target_leaves_zb_h2_apart(monkeypatch):
     assert goals["compute: same name: pipecomm zb-v faster than torch ZBVZeroBubble"]["value"].endswith("1.167x")
 
 
-def test_host_split_smoke_times_send_and_recv_apart(tmp_path):
+def test_host_split_smoke_times_send_and_recv_apart(tmp_path, run_bench):
     result = run_bench("host_split.py", "--rounds", "4", "--per-round", "8", "--json", str(tmp_path / "split.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "split.json").read_text())
@@ -97,22 +133,21 @@ def test_host_split_smoke_times_send_and_recv_apart(tmp_path):
 
 
 @pytest.mark.parametrize("counts", ["1,8", "8,x"])
-def test_e2e_rejects_bad_micro_batch_counts(counts):
-    result = run_bench("e2e.py", "--micro-batches", counts, timeout=60)
+def test_e2e_rejects_bad_micro_batch_counts(counts, run_bench):
+    result = run_bench("e2e.py", "--micro-batches", counts)
     assert result.returncode == 2 and "--micro-batches" in result.stderr, result.stderr[-2000:]
 
 
-def test_capture_overhead_smoke_times_both_stages(tmp_path):
+def test_capture_overhead_smoke_times_both_stages(tmp_path, run_bench):
     result = run_bench("capture_overhead.py", "--json", str(tmp_path / "capture.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "capture.json").read_text())["rows"]
     assert [row["stage"] for row in rows] == ["captured", "by hand"] and all(row["fwd+bwd ms"] > 0 for row in rows)
 
 
-def test_schedules_table_covers_every_schedule_and_case(tmp_path):
+def test_schedules_table_covers_every_schedule_and_case(tmp_path, run_bench):
     out = tmp_path / "schedules.json"
-    result = subprocess.run([sys.executable, str(BENCH / "schedules.py"), "--costs", "1,1,1", "--json", str(out)],
-                            capture_output=True, text=True, timeout=120, check=False)
+    result = run_bench("schedules.py", "--costs", "1,1,1", "--json", str(out), smoke=False)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(row["p"], row["m"]) for row in rows] == [(2, 8), (4, 8), (8, 16), (4, 16), (8, 32)]
@@ -124,24 +159,24 @@ def test_schedules_table_covers_every_schedule_and_case(tmp_path):
         assert row["plan 1x"] >= max(row[name] for name in ("1f1b", "zb-h1", "zb-v")) - 1e-9, row
 
 
-def test_stage_costs_measures_f_i_w_and_tabulates(tmp_path):
+def test_stage_costs_measures_f_i_w_and_tabulates(tmp_path, run_bench):
     out = tmp_path / "costs.json"
-    result = subprocess.run([sys.executable, str(BENCH / "stage_costs.py"), "--cpu", "--steps", "1", "--configs",
-                             "overhead", "--json", str(out)], capture_output=True, text=True, timeout=300, check=False)
+    result = run_bench("stage_costs.py", "--cpu", "--steps", "1", "--configs", "overhead", "--json", str(out),
+                       smoke=False)
     assert result.returncode == 0, result.stderr[-3000:]
     overhead = json.loads(out.read_text())["configs"]["overhead"]
     assert all(overhead["costs_ms"][kind] > 0 for kind in ("F", "I", "W"))
     assert len(overhead["simulated"]) == 5 and "# overhead: one stage (4 layers)" in result.stdout
 
 
-def test_recompute_memory_smoke_keeps_less_with_recomputation(tmp_path):
+def test_recompute_memory_smoke_keeps_less_with_recomputation(tmp_path, run_bench):
     result = run_bench("recompute_memory.py", "--stages", "2", "--json", str(tmp_path / "recompute.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["mode"]: row for row in json.loads((tmp_path / "recompute.json").read_text())["rows"]}
     assert rows["stage"]["kept_MiB"] < rows["layers"]["kept_MiB"] < rows["none"]["kept_MiB"]
 
 
-def test_inference_smoke_compares_with_torch_and_agrees(tmp_path):
+def test_inference_smoke_compares_with_torch_and_agrees(tmp_path, run_bench):
     result = run_bench("inference.py", "--json", str(tmp_path / "inference.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["placement"]: row for row in json.loads((tmp_path / "inference.json").read_text())["rows"]}
@@ -151,10 +186,8 @@ def test_inference_smoke_compares_with_torch_and_agrees(tmp_path):
 
 
 @pytest.mark.parametrize("composition", ["fsdp", "tp"])
-def test_parallel_3d_smoke_engines_agree_on_the_loss(tmp_path, composition):
-    # Two spawns of 4 ranks each; the time is mostly their start on a small machine.
-    result = run_bench("parallel_3d.py", "--composition", composition, "--json", str(tmp_path / "3d.json"),
-                       timeout=180)
+def test_parallel_3d_smoke_engines_agree_on_the_loss(tmp_path, composition, run_bench):
+    result = run_bench("parallel_3d.py", "--composition", composition, "--json", str(tmp_path / "3d.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "3d.json").read_text())
     rows = {row["engine"]: row for row in report["rows"]}

@@ -139,6 +139,15 @@ def test_the_list_scheduler_builds_the_same_orders_in_numba_and_python():
     assert built > 140 and failed > 75
 
 
+def test_named_list_scheduled_schedules_are_built_without_numba(monkeypatch):
+    """numba takes about a second to load its compiled code in each process (each rank), Python milliseconds here."""
+    def refuse(function):
+        raise AssertionError(f"{function.__name__} was compiled for one small schedule")
+    monkeypatch.setattr(list_scheduling, "compiled", refuse)
+    for name, num_ranks, micro_batches in (("zb-h2", 4, 8), ("zb-v", 8, 32), ("zb-v", 32, 64)):
+        validate(pipecomm.make_schedule(name, num_ranks, micro_batches))
+
+
 @pytest.mark.parametrize(("args", "kwargs", "message"), [
     ((4, 2, MEASURED), {}, "needs num_ranks >= 1 and micro_batches >= num_ranks"),
     ((2, 4, {"F": 1.0, "I": 1.0}), {}, "costs needs F, I and W"),

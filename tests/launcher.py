@@ -1,0 +1,76 @@
+"""Runs a script on ranks as torchrun does, many times over, forking each world from one process that imported torch.
+
+Each rank runs the script as ``__main__`` with torchrun's environment and then exits the way any Python program
+does (atexit handlers, thread shutdown, interpreter finalization), which is what an exit test must watch; only the
+imports, a few seconds per process, are paid once instead of once per rank and run.
+
+    python tests/launcher.py --nproc 2 --runs 10 script.py
+
+Exits 0 when every rank of every run exited 0; otherwise prints each failed rank's run and status and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import signal
+import socket
+import sys
+
+# Imported before the fork, once for every rank and run; torch._dynamo is what an optimizer's first step imports.
+import torch  # noqa: F401
+import torch._dynamo  # noqa: F401
+import torch.distributed  # noqa: F401
+
+import pipecomm  # noqa: F401
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_rank(script: str, rank: int, world_size: int, port: int) -> None:
+    """In the forked child: become rank ``rank`` and run the script; never returns to the launcher's loop."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.argv = [script]
+    runpy.run_path(script, run_name="__main__")
+    # Unwinds to the top level, as the script's own exception would: the interpreter finalizes as after any script.
+    sys.exit(0)
+
+
+def describe(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit {os.WEXITSTATUS(status)}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("script")
+    args = parser.parse_args()
+    failures = []
+    for run in range(args.runs):
+        port = free_port()
+        children = {}
+        for rank in range(args.nproc):
+            pid = os.fork()
+            if pid == 0:
+                run_rank(args.script, rank, args.nproc, port)
+            children[pid] = rank
+        for pid, rank in children.items():
+            _, status = os.waitpid(pid, 0)
+            if status != 0:
+                failures.append(f"run {run}, rank {rank}: {describe(status)}")
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
