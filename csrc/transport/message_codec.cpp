@@ -1,7 +1,9 @@
 // The dist channel's frames in native code: a fixed header per message, the metadata only when it changes
 // (message.cpp's encoding, as the shm and IPC channels send it), and the tensors packed into one payload.
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <string>
 #include <vector>

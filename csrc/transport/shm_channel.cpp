@@ -1,5 +1,7 @@
 // A shared-memory channel between this process and one peer: two rings, whole messages in C++.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <mutex>
 #include <string>
