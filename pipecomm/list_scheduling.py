@@ -47,6 +47,12 @@ def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[st
             for rows, length in zip(order.tolist(), lengths.tolist())]
 
 
+def v_first_stage_lead(num_ranks: int, base: int, slope: int = 1) -> list[int]:
+    """``first_stage_lead`` for the V: rank r's stage r may lead its stage 2p - 1 - r by base + slope (p - 1 - r)
+    micro-batches, so that its memory is there when the far side of the V sends their inputs back."""
+    return [base + slope * (num_ranks - 1 - rank) for rank in range(num_ranks)]
+
+
 def _stuck(memory_cap: float, ranks: list[int]) -> ValueError:
     return ValueError(f"build_orders: no rank can go on: memory_cap={memory_cap:g} holds no further activation "
                       f"on ranks {ranks} and no gradient will come")

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 
 from pipecomm.fast_simulation import step_and_busy_times
-from pipecomm.list_scheduling import PASS_KINDS, build_orders
+from pipecomm.list_scheduling import PASS_KINDS, build_orders, v_first_stage_lead
 from pipecomm.local_search import search_order
 from pipecomm.schedule import (
     Action,
@@ -84,10 +84,9 @@ def _candidates(num_ranks: int, micro_batches: int, costs: Mapping[str, float], 
         yield from _built(family, layout, chunks, micro_batches, costs, cap, **variant)
     if "zb-v" not in families:
         return
-    # The V's first stages, held back: rank r's stage r may lead its stage 2p - 1 - r by base + slope (p - 1 - r)
-    # micro-batches, so that its memory is there when the far side of the V sends its inputs back.
+    # The V's first stages, held back by each lead the family allows.
     for base, slope, deepest_gradient in itertools.product(range(1, num_ranks + 2), (1, 2), (False, True)):
-        lead = [base + slope * (num_ranks - 1 - rank) for rank in range(num_ranks)]
+        lead = v_first_stage_lead(num_ranks, base, slope)
         yield from _built("zb-v", families["zb-v"][0], 2, micro_batches, costs, float(num_ranks),
                           deepest_gradient_first=deepest_gradient, first_stage_lead=lead)
 

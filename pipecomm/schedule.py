@@ -9,7 +9,7 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from pipecomm.list_scheduling import build_orders
+from pipecomm.list_scheduling import build_orders, v_first_stage_lead
 
 __all__ = [
     "COMMUNICATION_KINDS",
@@ -147,7 +147,8 @@ def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages:
     ``Schedule.stages_of`` tells), at 1F1B's peak activation memory. zb-h2 and zb-v are built by
     list scheduling (``pipecomm.list_scheduling``) for ``costs`` (F, I and W of one rank's share, as
     ``simulate`` takes them; default F = I = W): an order built for equal costs can lose much of its
-    gain where I costs more than F, so give measured costs where they are known.
+    gain where I costs more than F, so give measured costs where they are known. Where the V's greedy order would
+    fill a rank's memory with its first stage's forwards and wait forever, that stage is held back.
 
     ``virtual_stages`` (stages per rank) defaults to 2 for zb-v and 1 otherwise; interleaved-1f1b
     needs it given. Every RECV sits immediately before the compute that consumes it and every SEND
@@ -161,8 +162,7 @@ def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages:
         make_placement, memory = _LIST_SCHEDULED[name]
         placement = make_placement(num_ranks)
         pass_costs = {kind: (1.0 if costs is None else float(costs[kind])) / virtual_stages for kind in ("F", "I", "W")}
-        orders = build_orders(placement, micro_batches, pass_costs, memory * num_ranks,
-                              jit=num_stages * micro_batches > _INTERPRETED_BUILD_UP_TO)
+        orders = _list_scheduled_orders(name, placement, micro_batches, pass_costs, memory * num_ranks)
         compute_orders = [[Action(*compute) for compute in order] for order in orders]
     else:
         if costs is not None:
@@ -172,6 +172,22 @@ def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages:
                           for rank in range(num_ranks)]
     actions = tuple(with_communication(order, num_stages) for order in compute_orders)
     return Schedule(name, num_ranks, num_stages, micro_batches, actions, placement)
+
+
+def _list_scheduled_orders(name: str, placement: tuple[int, ...], micro_batches: int, pass_costs: Mapping[str, float],
+                           memory_cap: float) -> list[list[tuple[str, int, int]]]:
+    """The greedy orders; where the V's greedy fills a rank's memory with first-stage forwards before the far side
+    of the V returns (I well above F + W at p = 2), its first stages held back, as little as lets it finish."""
+    num_ranks = max(placement) + 1
+    jit = len(placement) * micro_batches > _INTERPRETED_BUILD_UP_TO
+    leads = [None] if name != "zb-v" else [None] + [v_first_stage_lead(num_ranks, base)
+                                                    for base in range(num_ranks + 1, 0, -1)]
+    for lead in leads[:-1]:
+        try:
+            return build_orders(placement, micro_batches, pass_costs, memory_cap, first_stage_lead=lead, jit=jit)
+        except ValueError:
+            continue
+    return build_orders(placement, micro_batches, pass_costs, memory_cap, first_stage_lead=leads[-1], jit=jit)
 
 
 def forward_schedule(num_ranks: int, micro_batches: int, placement: tuple[int, ...]) -> Schedule:
