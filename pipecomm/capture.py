@@ -15,9 +15,10 @@ later stage uses crosses each boundary in between.
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -65,9 +66,14 @@ def capture_split(
     """The requested stages of ``model``, cut from one capture of its forward."""
     stage_of = _effective_stages(model, num_stages)
     units = _units(model, stage_of)
-    exported = _export(model, example_args, example_kwargs, units)
+    exported = _export(model, example_args, example_kwargs, units, stack_traces=False)
     graph = _outline_units(exported, set(units))
-    placement = _place(graph, stage_of, num_stages)
+    try:
+        placement = _place(graph, stage_of, num_stages)
+    except _DataFlowAgainstStages:  # its message names source lines: capture again, recording them
+        exported = _export(model, example_args, example_kwargs, units, stack_traces=True)
+        graph = _outline_units(exported, set(units))
+        placement = _place(graph, stage_of, num_stages)
     built = _cut(model, exported, graph, placement, num_stages, device)
     _name_shared_parameters(built)
     built[0].register_forward_pre_hook(_ArgumentCheck(model, example_args, example_kwargs, built[0], exported),
@@ -130,8 +136,10 @@ def _units(model: nn.Module, stage_of: dict[str, int | None]) -> list[str]:
 # -- capture ---------------------------------------------------------------------------------------
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, units: list[str]) -> torch.export.ExportedProgram:
-    """The model's forward on the example micro-batch, every tensor dimension left to torch.export."""
+def _export(model: nn.Module, args: tuple, kwargs: dict, units: list[str],
+            stack_traces: bool) -> torch.export.ExportedProgram:
+    """The model's forward on the example micro-batch, every tensor dimension left to torch.export; with
+    ``stack_traces``, each node records the source line that made it (a quarter of the capture's time)."""
     signature = inspect.signature(model.forward)
     bound = signature.bind(*args, **kwargs)
     dynamic_shapes = {
@@ -143,11 +151,21 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, units: list[str]) -> to
     if any(kinds[name] in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for name in bound.arguments):
         dynamic_shapes = None  # torch.export names *args/**kwargs differently; fall back to its default
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _recording_stack_traces(stack_traces):
             return torch.export.export(model, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic_shapes,
                                        preserve_module_call_signature=tuple(units))
     except Exception as error:  # noqa: BLE001 - every capture failure becomes the same clear error
         raise ValueError(_capture_failure(model, error)) from error
+
+
+@contextlib.contextmanager
+def _recording_stack_traces(record: bool) -> Iterator[None]:
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = not record
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
 
 
 def _capture_failure(model: nn.Module, error: Exception) -> str:
@@ -412,7 +430,7 @@ def _place(graph: torch.fx.Graph, stage_of: dict, num_stages: int) -> dict:
     for node in graph.nodes:
         for producer in _producers(node):
             if placement[producer] > placement[node]:
-                raise ValueError(
+                raise _DataFlowAgainstStages(
                     f"split: {_describe(node, fixed, placement)} uses a value that {_describe(producer, fixed, placement)} "
                     f"computes; stages must not decrease along the data flow")
     used = {stage for node, stage in placement.items() if node.op in ("call_module", "call_function")}
@@ -421,6 +439,10 @@ def _place(graph: torch.fx.Graph, stage_of: dict, num_stages: int) -> dict:
             raise ValueError(f"split: stage {stage} gets nothing to compute; annotate modules onto every stage in "
                              f"[0, {num_stages})")
     return placement
+
+
+class _DataFlowAgainstStages(ValueError):
+    """A value flows from a later stage to an earlier one."""
 
 
 def _producers(node: torch.fx.Node) -> list[torch.fx.Node]:

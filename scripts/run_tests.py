@@ -1,8 +1,9 @@
 """Runs the pytest suite as N shards side by side (one per core by default) and sums up their results in one line.
 
-    python scripts/run_tests.py [pytest arguments...]      # PYTEST_SHARDS=1 runs one plain pytest
+    python scripts/run_tests.py [--record-durations] [pytest arguments...]   # PYTEST_SHARDS=1: one plain pytest
 
-Each shard is ``pytest --shard i/N`` (tests/conftest.py): every N-th test, so the shards cost about the same. Much of a
+Each shard is ``pytest --shard i/N`` (tests/conftest.py): the tests dealt so that the shards take about the same
+time, by each test's duration in tests/durations.json, which ``--record-durations`` rewrites from this run. Much of a
 test's time is its ranks waiting on one another, which another shard's ranks fill. Shard 1 reports as it goes, the
 others' reports follow, then one line of totals. Exits with the first failing shard's status, 5 if no shard ran a
 test (as pytest does), else 0.
@@ -10,6 +11,7 @@ test (as pytest does), else 0.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -34,18 +36,24 @@ def shard_count() -> int:
 
 
 def main(arguments: list[str]) -> int:
+    record = "--record-durations" in arguments
+    arguments = [argument for argument in arguments if argument != "--record-durations"]
     shards = shard_count()
     command = [sys.executable, "-m", "pytest", *arguments]
-    if shards == 1:
+    if shards == 1 and not record:
         return subprocess.run(command, cwd=ROOT).returncode
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pipecomm-shards-") as logs:
         paths = [Path(logs) / f"shard-{index}.log" for index in range(1, shards + 1)]
-        processes = [subprocess.Popen([*command, "--shard", f"{index}/{shards}"], cwd=ROOT, stdout=path.open("w"),
-                                      stderr=subprocess.STDOUT) for index, path in enumerate(paths, start=1)]
+        timings = [Path(logs) / f"durations-{index}.json" for index in range(1, shards + 1)]
+        processes = [subprocess.Popen([*command, "--shard", f"{index}/{shards}", "--record-durations", str(timing)],
+                                      cwd=ROOT, stdout=path.open("w"), stderr=subprocess.STDOUT)
+                     for index, (path, timing) in enumerate(zip(paths, timings), start=1)]
         _follow(paths[0], processes)
         codes = [process.wait() for process in processes]
         reports = [path.read_text() for path in paths]
+        if record:
+            _write_durations(timings)
     for index, report in enumerate(reports[1:], start=2):
         print(f"---------- shard {index}/{shards} ----------\n{report}", end="")
     totals: Counter[str] = Counter()
@@ -57,6 +65,17 @@ def main(arguments: list[str]) -> int:
     print(f"pytest, {shards} shards side by side: {summary} in {time.monotonic() - started:.0f} s "
           f"(exit statuses {codes})")
     return status
+
+
+def _write_durations(timings: list[Path]) -> None:
+    """tests/durations.json: each test's seconds in this run, over the entries of tests this run did not run."""
+    target = ROOT / "tests" / "durations.json"
+    durations = json.loads(target.read_text()) if target.exists() else {}
+    for timing in timings:
+        if timing.exists():
+            durations.update({test: round(seconds, 2) for test, seconds in json.loads(timing.read_text()).items()})
+    target.write_text(json.dumps(dict(sorted(durations.items())), indent=0) + "\n")
+    print(f"wrote {len(durations)} tests' durations to {target.relative_to(ROOT)}")
 
 
 def _follow(path: Path, processes: list[subprocess.Popen]) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +15,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--shard", metavar="I/N", default=None,
                      help="run every N-th collected test from the I-th on (1-based): N such runs side by side run the "
                           "suite once")
+    parser.addoption("--record-durations", metavar="PATH", default=None,
+                     help="write each test's duration (setup, call and teardown, in seconds) to PATH as JSON")
+
+
+# Each test's duration on CI's machine, which --shard balances by (scripts/run_tests.py --record-durations rewrites it).
+DURATIONS = Path(__file__).with_name("durations.json")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -21,10 +30,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.cuda)
     if config.getoption("--shard"):
         index, count = _parse_shard(config.getoption("--shard"))
-        # Round robin, not by file: neighbouring tests cost alike, so the shards take about the same time.
-        kept = items[index - 1::count]
-        config.hook.pytest_deselected(items=[item for position, item in enumerate(items) if position % count != index - 1])
-        items[:] = kept
+        durations = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        shards = balanced_shards([item.nodeid for item in items], count, durations)
+        mine = set(shards[index - 1])
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in mine])
+        items[:] = [item for item in items if item.nodeid in mine]
+
+
+def balanced_shards(tests: list[str], count: int, durations: dict[str, float]) -> list[list[str]]:
+    """``tests`` in ``count`` shards of about equal time: the longest first, each to the shard with the least so far
+    (a test not in ``durations`` counts as their median; without durations, as equal, which deals them round robin)."""
+    known = sorted(durations.values())
+    default = known[len(known) // 2] if known else 1.0
+    totals = [0.0] * count
+    shards: list[list[str]] = [[] for _ in range(count)]
+    for test in sorted(tests, key=lambda test: -durations.get(test, default)):  # stable: ties keep collection order
+        shard = totals.index(min(totals))
+        shards[shard].append(test)
+        totals[shard] += durations.get(test, default)
+    return shards
+
+
+class _DurationRecorder:
+    def __init__(self, path: str):
+        self.path = path
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        Path(self.path).write_text(json.dumps(self.seconds))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--record-durations"):
+        config.pluginmanager.register(_DurationRecorder(config.getoption("--record-durations")))
 
 
 def _parse_shard(text: str) -> tuple[int, int]:
