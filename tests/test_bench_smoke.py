@@ -195,3 +195,22 @@ def test_parallel_3d_smoke_engines_agree_on_the_loss(tmp_path, composition, run_
     assert all("error" not in row and row["tokens_per_s"] > 0 for row in rows.values()), rows
     assert rows["pipecomm"]["loss_step1"] == pytest.approx(rows["torch"]["loss_step1"], rel=1e-4)
     assert report["ratios"]["loss_step1_rel_diff"] <= 1e-4
+
+
+def test_host_cost_smoke_meters_every_action_of_both_libraries(tmp_path, run_bench):
+    result = run_bench("host_cost.py", "--models", "mha,llama", "--json", str(tmp_path / "host.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "host.json").read_text())
+    for model in ("mha", "llama"):
+        rows = {row["runner"]: row for row in report["tables"][model]}
+        assert list(rows) == ["torch 1F1B", "pipecomm 1f1b", "pipecomm zb-h1"]
+        assert rows["torch 1F1B"]["vs_torch"] == 1.0
+        for name, row in rows.items():
+            assert row["thread_us"] > 0 and row["F"] > 0 and row["loss"] > 0 and row["send"] > 0, (model, name)
+        assert rows["pipecomm zb-h1"]["I"] > 0 and rows["pipecomm zb-h1"]["W"] > 0 and rows["pipecomm 1f1b"]["I"] is None
+        assert rows["torch 1F1B"]["p2p"] > 0 and rows["pipecomm 1f1b"]["p2p"] is None
+    # Each rank's calls of one step: m forwards and m backwards of its stage, m sends and receives.
+    for rank_row in report["ranks"]:
+        calls = rank_row["calls_per_step"]
+        assert calls["F"] == 8 and calls.get("B", calls.get("I")) == 8, rank_row
+    assert "mha:" in result.stdout and "pipecomm zb-h1" in result.stdout

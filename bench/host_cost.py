@@ -1,0 +1,379 @@
+"""Host cost: CPU time of the host per action and per step, pipecomm's executor against torch.distributed.pipelining.
+
+Both run the same stage modules (same weights, same data) on 2 ranks, one stage each: torch's PipelineStage with
+Schedule1F1B, and pipecomm's Pipeline with 1f1b and zb-h1. Each row times, on every rank, the CPU time of the
+thread that runs the step (time.thread_time: the host work that issues the kernels, which a host-bound step waits
+for) and of the whole process (time.process_time: gloo's and NCCL's own threads too), per step, and, per call,
+of each action, exclusive of the actions and losses it calls:
+
+- pipecomm: F, B, I, W (the executor's compute actions), send and recv (its SEND_F/SEND_B and RECV_F/RECV_B);
+- torch: F and B (``forward_one_chunk``, ``backward_one_chunk``), send and recv (``get_*_send_ops`` and
+  ``get_*_recv_ops``), and p2p (``_batch_p2p`` and ``_wait_batch_p2p``, which post and wait for both at once);
+- both: loss (the loss function), and other: the step's time outside all of these (the schedule's own loop, the
+  step's setup, splitting the batch, the loss's reduction, the result's broadcast).
+
+Models (``--models``): ``mha``, pre-norm blocks of ``nn.MultiheadAttention`` and a GELU MLP (many small kernels);
+``llama``, a Hugging Face LlamaForCausalLM built from a config and cut by ``pipecomm.split`` on its own
+annotations (the last stage returns the logits); ``gpt``, bench/e2e.py's GPT blocks. On CPU (``--cpu``: gloo,
+pipecomm's shared-memory channels, one thread per rank, fp32) the models are tiny, so a step is mostly overhead;
+on GPUs (default: rank r on cuda:r, NCCL, bf16) they have issue 33's shapes, smaller where noted. ``--share-gpu``
+puts both ranks on cuda:0 (gloo; pipecomm over IPC). ``--smoke`` is a CPU run of one step, for the tests.
+
+A table per model (microseconds; the slower rank's for each column; per step, the median over the measured steps; per call,
+the mean),
+the JSON with every rank's numbers (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import environment, print_environment, print_table, spawn_ranks, start_rank, write_json  # noqa: E402
+
+ROWS = ("torch 1F1B", "pipecomm 1f1b", "pipecomm zb-h1")
+MODELS = ("mha", "llama", "gpt")
+ACTIONS = ("F", "B", "I", "W", "loss", "send", "recv", "p2p")
+# pipecomm's executor methods, one per action kind, and what they count as.
+PIPECOMM_ACTIONS = {"_forward": "F", "_backward": "B", "_backward_input": "I", "_backward_weight": "W",
+                    "_send_forward": "send", "_send_backward": "send", "_recv_forward": "recv", "_recv_backward": "recv"}
+TORCH_STAGE_ACTIONS = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W",
+                       "get_fwd_send_ops": "send", "get_bwd_send_ops": "send", "get_fwd_recv_ops": "recv",
+                       "get_bwd_recv_ops": "recv"}
+TORCH_SCHEDULE_FUNCTIONS = {"_batch_p2p": "p2p", "_wait_batch_p2p": "p2p"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int  # in all, half on each stage
+    seq: int
+    micro_batch_size: int
+    micro_batches: int
+    vocab: int = 0  # llama only
+
+
+SHAPES = {  # (mode, model) -> shape; GPU shapes are issue 33's (the Llama narrower: its host cost is per kernel)
+    ("gpu", "mha"): Shape(1024, 8, 512, 2, 16),
+    ("gpu", "llama"): Shape(1024, 8, 512, 2, 8, vocab=8192),
+    ("gpu", "gpt"): Shape(1024, 8, 512, 2, 16),
+    ("cpu", "mha"): Shape(32, 4, 16, 2, 8),
+    ("cpu", "llama"): Shape(32, 4, 16, 2, 8, vocab=128),
+    ("cpu", "gpt"): Shape(32, 4, 16, 2, 8),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Host meter
+
+
+class HostMeter:
+    """Exclusive thread CPU time and calls per action kind of the wrapped functions, while ``active``."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._nested: list[float] = []  # per open call: the time its metered callees took
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, name: str, kind: str) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, self.timed(original, kind))
+        self._undo.append((owner, name, original))
+
+    def timed(self, original: Callable, kind: str) -> Callable:
+        @functools.wraps(original)
+        def metered(*args, **kwargs):
+            if not self.active:
+                return original(*args, **kwargs)
+            self._nested.append(0.0)
+            start = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                took = time.thread_time() - start
+                inner = self._nested.pop()
+                self.seconds[kind] += took - inner
+                self.calls[kind] += 1
+                if self._nested:
+                    self._nested[-1] += took
+
+        return metered
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+        self._undo.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: each rank's stage module, the same for both libraries
+
+
+class MHABlock(nn.Module):
+    """Pre-norm block: nn.MultiheadAttention (causal), then a 4x GELU MLP."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm_attention = nn.LayerNorm(hidden)
+        self.attention = nn.MultiheadAttention(hidden, max(1, hidden // 64), batch_first=True)
+        self.norm_mlp = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm_attention(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device, dtype=x.dtype)
+        x = x + self.attention(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class LastLogits(nn.Module):
+    """The Llama's last stage with the logits as its output (torch's PipelineStage hands the loss a tensor)."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args):
+        return self.stage(*args).logits
+
+
+def build_stage(model: str, shape: Shape, rank: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Rank ``rank``'s half of the model: layer i seeded by i, so both ranks hold one model whatever the split."""
+    half = range(rank * shape.layers // 2, (rank + 1) * shape.layers // 2)
+    if model == "gpt":
+        from e2e import Block
+
+        blocks = []
+        for layer in half:
+            torch.manual_seed(1000 + layer)
+            blocks.append(Block(shape.hidden, max(1, shape.hidden // 128) if shape.hidden >= 128 else 2))
+        return nn.Sequential(*blocks).to(device, dtype)
+    if model == "mha":
+        blocks = []
+        for layer in half:
+            torch.manual_seed(1000 + layer)
+            blocks.append(MHABlock(shape.hidden))
+        return nn.Sequential(*blocks).to(device, dtype)
+    import pipecomm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=4 * shape.hidden,
+                         num_hidden_layers=shape.layers, num_attention_heads=max(2, shape.hidden // 128),
+                         num_key_value_heads=max(1, shape.hidden // 256), max_position_embeddings=shape.seq,
+                         use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    llama = LlamaForCausalLM(config).to(dtype)
+    llama.model.embed_tokens.pipeline_stage = 0
+    for index, block in enumerate(llama.model.layers):
+        block.pipeline_stage = 2 * index // shape.layers
+    llama.model.norm.pipeline_stage = llama.lm_head.pipeline_stage = 1
+    example = (torch.zeros(shape.micro_batch_size, shape.seq, dtype=torch.long),)
+    stage = pipecomm.split(llama, 2, rank, example_inputs=example, device=device)
+    return LastLogits(stage) if rank == 1 else stage
+
+
+def make_batch(model: str, shape: Shape, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    batch = shape.micro_batch_size * shape.micro_batches
+    if model == "llama":
+        tokens = torch.randint(0, shape.vocab, (batch, shape.seq + 1), generator=generator)
+        return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    inputs = torch.randn(batch, shape.seq, shape.hidden, generator=generator)
+    target = torch.randn(batch, shape.seq, shape.hidden, generator=generator)
+    return inputs.to(device, dtype), target.to(device, dtype)
+
+
+def loss_for(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if model == "llama":
+        return lambda logits, labels: F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    return lambda output, target: F.mse_loss(output.float(), target.float())
+
+
+# ---------------------------------------------------------------------------------------------
+# Runners: one training step each, the meter around its actions
+
+
+def pipecomm_runner(row: str, module: nn.Module, rank: int, shape: Shape, loss_fn: Callable, device: torch.device,
+                    args: argparse.Namespace, meter: HostMeter) -> tuple[Callable[[], None], Callable[[], None]]:
+    import pipecomm
+    from pipecomm.executor import StageExecutor
+
+    for name, kind in PIPECOMM_ACTIONS.items():
+        meter.wrap(StageExecutor, name, kind)
+    pipe = pipecomm.Pipeline(module, stage=rank, num_stages=2, loss_fn=loss_fn, micro_batches=shape.micro_batches,
+                             schedule=row.split()[1], device=device, transport="ipc" if args.share_gpu else "auto",
+                             timeout=float(args.timeout))
+    return pipe.step, pipe.close
+
+
+def torch_runner(row: str, module: nn.Module, rank: int, shape: Shape, loss_fn: Callable, device: torch.device,
+                 args: argparse.Namespace, meter: HostMeter) -> tuple[Callable[..., None], Callable[[], None]]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, schedules
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    for name, kind in TORCH_STAGE_ACTIONS.items():
+        meter.wrap(_PipelineStageBase, name, kind)
+    for name, kind in TORCH_SCHEDULE_FUNCTIONS.items():
+        meter.wrap(schedules, name, kind)
+    schedule = Schedule1F1B(PipelineStage(module, rank, 2, device), shape.micro_batches, loss_fn=loss_fn)
+
+    def step(inputs: torch.Tensor, target: torch.Tensor) -> None:
+        if rank == 0:
+            schedule.step(inputs)
+        else:
+            schedule.step(target=target, losses=[])
+
+    return step, lambda: None
+
+
+RUNNERS = {"torch": torch_runner, "pipecomm": pipecomm_runner}
+
+
+def measure(row: str, model: str, shape: Shape, module: nn.Module, rank: int, device: torch.device,
+            args: argparse.Namespace) -> dict[str, Any]:
+    """One row on this rank: per step, the thread's and the process's CPU time and the wall time; per action kind,
+    the thread's CPU time per call."""
+    meter = HostMeter()
+    metered_loss = meter.timed(loss_for(model), "loss")
+    inputs, target = make_batch(model, shape, device, next(module.parameters()).dtype)
+    step, close = RUNNERS[row.split()[0]](row, module, rank, shape, metered_loss, device, args, meter)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    thread, process, wall, other = [], [], [], []
+    try:
+        for index in range(args.warmup + args.steps):
+            measured = index >= args.warmup
+            meter.active = measured
+            metered_before = sum(meter.seconds.values())
+            dist.barrier()
+            synchronize()
+            started = (time.thread_time(), time.process_time(), time.perf_counter())
+            step(inputs, target=target)
+            ended = (time.thread_time(), time.process_time(), time.perf_counter())
+            meter.active = False
+            synchronize()
+            module.zero_grad(set_to_none=True)
+            if measured:
+                thread.append(ended[0] - started[0])
+                process.append(ended[1] - started[1])
+                wall.append(ended[2] - started[2])
+                other.append(thread[-1] - (sum(meter.seconds.values()) - metered_before))
+        per_call = {kind: meter.seconds[kind] / meter.calls[kind] for kind in ACTIONS if meter.calls.get(kind)}
+        calls = {kind: meter.calls[kind] // args.steps for kind in ACTIONS if meter.calls.get(kind)}
+    finally:
+        meter.restore()
+        close()
+    return {"row": row, "model": model, "rank": rank, "thread_us": _median_us(thread), "process_us": _median_us(process),
+            "wall_ms": statistics.median(wall) * 1e3, "other_us": _median_us(other),
+            "per_call_us": {kind: seconds * 1e6 for kind, seconds in per_call.items()}, "calls_per_step": calls}
+
+
+def _median_us(values: list[float]) -> float:
+    return statistics.median(values) * 1e6
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks and parent
+
+
+def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any], None],
+             config: dict[str, Any]) -> dict[str, Any]:
+    args = argparse.Namespace(**config)
+    on_cpu = args.mode != "gpu"
+    device, _ = start_rank(rank, world_size, store_port, on_cpu, args.timeout, share_gpu=args.share_gpu)
+    dtype = torch.float32 if on_cpu else torch.bfloat16
+    env = environment(device) if rank == 0 else None
+    if env is not None:
+        env["ranks"] = f"2 processes, {'both on cuda:0' if args.share_gpu else 'rank r on cuda:r' if not on_cpu else 'cpu'}"
+        env["process_group"] = dist.get_backend()
+        env["threads_per_rank"] = torch.get_num_threads()
+    for model in args.model_list:
+        shape = SHAPES[("cpu" if on_cpu else "gpu", model)]
+        module = build_stage(model, shape, rank, device, dtype)
+        for row in ROWS:
+            report(measure(row, model, shape, module, rank, device, args))
+            dist.barrier()
+    return {"env": env}
+
+
+def table(results: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
+    """One row per runner: the slower rank's value of each column; the ratio of the step's thread time to torch's."""
+    rows = []
+    by_row: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for result in results:
+        if result["model"] == model:
+            by_row[result["row"]].append(result)
+    torch_step = max((r["thread_us"] for r in by_row.get("torch 1F1B", [])), default=None)
+    for name in ROWS:
+        ranks = by_row.get(name)
+        if not ranks:
+            continue
+        row: dict[str, Any] = {"runner": name}
+        for column in ("thread_us", "process_us", "wall_ms", "other_us"):
+            row[column] = max(r[column] for r in ranks)
+        row["vs_torch"] = row["thread_us"] / torch_step if torch_step else None
+        for kind in ACTIONS:
+            values = [r["per_call_us"][kind] for r in ranks if kind in r["per_call_us"]]
+            row[kind] = max(values) if values else None
+        rows.append(row)
+    return rows
+
+
+COLUMNS = ["runner", "thread_us", "vs_torch", "process_us", "wall_ms", *ACTIONS, "other_us"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--cpu", action="store_const", dest="mode", const="cpu", help="2 CPU ranks (gloo, shm)")
+    mode.add_argument("--smoke", action="store_const", dest="mode", const="smoke", help="a CPU run of one step")
+    parser.set_defaults(mode="gpu")
+    parser.add_argument("--share-gpu", action="store_true", help="both ranks on cuda:0 (gloo, pipecomm over IPC)")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    args.model_list = [model for model in args.models.split(",") if model]
+    unknown = set(args.model_list) - set(MODELS)
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; known: {', '.join(MODELS)}")
+    if args.mode == "smoke":
+        args.steps, args.warmup = 1, 1
+    if args.mode == "gpu" and not args.share_gpu and torch.cuda.device_count() < 2:
+        parser.error("2 GPUs needed (or --share-gpu, or --cpu)")
+    results: list[dict[str, Any]] = []
+    outcome = spawn_ranks(run_rank, 2, (vars(args),), deadline=60 + 120 * len(args.model_list),
+                          timeout=args.timeout, on_report=lambda rank, payload: results.append(payload))
+    env = outcome[0]["env"]
+    print_environment(env)
+    tables = {}
+    for model in args.model_list:
+        print(f"\n{model}: {asdict(SHAPES[('cpu' if args.mode != 'gpu' else 'gpu', model)])} "
+              f"(host CPU time in microseconds; per call for the actions, per step for the rest)")
+        tables[model] = table(results, model)
+        print_table(tables[model], COLUMNS)
+    if args.json:
+        write_json(args.json, {"env": env, "args": {k: v for k, v in vars(args).items() if k != "model_list"},
+                               "tables": tables, "ranks": results})
+
+
+if __name__ == "__main__":
+    main()
