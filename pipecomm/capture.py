@@ -160,6 +160,9 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, units: list[str],
 
 @contextlib.contextmanager
 def _recording_stack_traces(record: bool) -> Iterator[None]:
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):  # a torch that records them always (2.11)
+        yield
+        return
     before = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = not record
     try:
