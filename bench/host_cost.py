@@ -14,7 +14,7 @@ of each action, exclusive of the actions and losses it calls:
 
 Models (``--models``): ``mha``, pre-norm blocks of ``nn.MultiheadAttention`` and a GELU MLP (many small kernels);
 ``llama``, a Hugging Face LlamaForCausalLM built from a config and cut by ``pipecomm.split`` on its own
-annotations (the last stage returns the logits); ``gpt``, bench/e2e.py's GPT blocks. On CPU (``--cpu``: gloo,
+annotations (its boundary carried as floats, the last stage returning the logits: see FloatBoundary); ``gpt``, bench/e2e.py's GPT blocks. On CPU (``--cpu``: gloo,
 pipecomm's shared-memory channels, one thread per rank, fp32) the models are tiny, so a step is mostly overhead;
 on GPUs (default: rank r on cuda:r, NCCL, bf16) they have issue 33's shapes, smaller where noted. ``--share-gpu``
 puts both ranks on cuda:0 (gloo; pipecomm over IPC). ``--smoke`` is a CPU run of one step, for the tests.
@@ -143,15 +143,21 @@ class MHABlock(nn.Module):
         return x + self.mlp(self.norm_mlp(x))
 
 
-class LastLogits(nn.Module):
-    """The Llama's last stage with the logits as its output (torch's PipelineStage hands the loss a tensor)."""
+class FloatBoundary(nn.Module):
+    """A captured Llama stage whose boundary carries floats only: torch 2.11's PipelineStage makes every received
+    tensor require grad, which an integer or bool tensor (the position ids, the causal mask) cannot. The first stage
+    sends them as float32 (exact: small integers and 0/1), the second turns them back; the last returns the logits."""
 
-    def __init__(self, stage: nn.Module):
+    def __init__(self, stage: nn.Module, boundary_dtypes: list[torch.dtype]):
         super().__init__()
         self.stage = stage
+        self.boundary_dtypes = boundary_dtypes
 
     def forward(self, *args):
-        return self.stage(*args).logits
+        if self.stage.stage_index == 0:
+            return tuple(value if value.is_floating_point() else value.float() for value in self.stage(*args))
+        restored = (value.to(dtype) for value, dtype in zip(args, self.boundary_dtypes))
+        return self.stage(*restored).logits
 
 
 def build_stage(model: str, shape: Shape, rank: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -185,8 +191,10 @@ def build_stage(model: str, shape: Shape, rank: int, device: torch.device, dtype
         block.pipeline_stage = 2 * index // shape.layers
     llama.model.norm.pipeline_stage = llama.lm_head.pipeline_stage = 1
     example = (torch.zeros(shape.micro_batch_size, shape.seq, dtype=torch.long),)
-    stage = pipecomm.split(llama, 2, rank, example_inputs=example, device=device)
-    return LastLogits(stage) if rank == 1 else stage
+    stages = pipecomm.split(llama, 2, [0, 1], example_inputs=example)
+    with torch.no_grad():
+        boundary_dtypes = [value.dtype for value in stages[0](*example)]
+    return FloatBoundary(stages[rank].to(device), boundary_dtypes)
 
 
 def make_batch(model: str, shape: Shape, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
