@@ -191,10 +191,10 @@ def build_stage(model: str, shape: Shape, rank: int, device: torch.device, dtype
         block.pipeline_stage = 2 * index // shape.layers
     llama.model.norm.pipeline_stage = llama.lm_head.pipeline_stage = 1
     example = (torch.zeros(shape.micro_batch_size, shape.seq, dtype=torch.long),)
-    stages = pipecomm.split(llama, 2, [0, 1], example_inputs=example)
+    stages = pipecomm.split(llama, 2, [0, 1], example_inputs=example, device=device)
     with torch.no_grad():
-        boundary_dtypes = [value.dtype for value in stages[0](*example)]
-    return FloatBoundary(stages[rank].to(device), boundary_dtypes)
+        boundary_dtypes = [value.dtype for value in stages[0](*(value.to(device) for value in example))]
+    return FloatBoundary(stages[rank], boundary_dtypes)
 
 
 def make_batch(model: str, shape: Shape, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
