@@ -13,8 +13,7 @@ of each action, exclusive of the actions and losses it calls:
   step's setup, splitting the batch, the loss's reduction, the result's broadcast).
 
 Models (``--models``): ``mha``, pre-norm blocks of ``nn.MultiheadAttention`` and a GELU MLP (many small kernels);
-``llama``, a Hugging Face LlamaForCausalLM built from a config and cut by ``pipecomm.split`` on its own
-annotations (its boundary carried as floats, the last stage returning the logits: see FloatBoundary); ``gpt``, bench/e2e.py's GPT blocks. On CPU (``--cpu``: gloo,
+``llama``, a Hugging Face LlamaForCausalLM built from a config, its decoder layers in two halves (LlamaStage); ``gpt``, bench/e2e.py's GPT blocks. On CPU (``--cpu``: gloo,
 pipecomm's shared-memory channels, one thread per rank, fp32) the models are tiny, so a step is mostly overhead;
 on GPUs (default: rank r on cuda:r, NCCL, bf16) they have issue 33's shapes, smaller where noted. ``--share-gpu``
 puts both ranks on cuda:0 (gloo; pipecomm over IPC). ``--smoke`` is a CPU run of one step, for the tests.
@@ -143,21 +142,27 @@ class MHABlock(nn.Module):
         return x + self.mlp(self.norm_mlp(x))
 
 
-class FloatBoundary(nn.Module):
-    """A captured Llama stage whose boundary carries floats only: torch 2.11's PipelineStage makes every received
-    tensor require grad, which an integer or bool tensor (the position ids, the causal mask) cannot. The first stage
-    sends them as float32 (exact: small integers and 0/1), the second turns them back; the last returns the logits."""
+class LlamaStage(nn.Module):
+    """Half of a Hugging Face Llama's decoder layers, with the embedding on the first half and the final norm and LM
+    head on the second; each half computes its positions and rotary embeddings itself (they depend on the shape
+    only), so that only the hidden states cross (torch 2.11's PipelineStage sends a gradient back for every tensor
+    it receives, which the position ids and the causal mask have none of). The attention is causal (sdpa, no mask)."""
 
-    def __init__(self, stage: nn.Module, boundary_dtypes: list[torch.dtype]):
+    def __init__(self, llama: nn.Module, layers: range, first: bool, last: bool):
         super().__init__()
-        self.stage = stage
-        self.boundary_dtypes = boundary_dtypes
+        self.embed = llama.model.embed_tokens if first else None
+        self.layers = nn.ModuleList(llama.model.layers[index] for index in layers)
+        self.rotary = llama.model.rotary_emb
+        self.norm, self.head = (llama.model.norm, llama.lm_head) if last else (None, None)
 
-    def forward(self, *args):
-        if self.stage.stage_index == 0:
-            return tuple(value if value.is_floating_point() else value.float() for value in self.stage(*args))
-        restored = (value.to(dtype) for value, dtype in zip(args, self.boundary_dtypes))
-        return self.stage(*restored).logits
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x) if self.embed is not None else x
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        rotary = self.rotary(hidden, positions)
+        for layer in self.layers:
+            output = layer(hidden, position_ids=positions, position_embeddings=rotary)
+            hidden = output[0] if isinstance(output, tuple) else output  # older transformers return a tuple
+        return self.head(self.norm(hidden)) if self.head is not None else hidden
 
 
 def build_stage(model: str, shape: Shape, rank: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -177,24 +182,15 @@ def build_stage(model: str, shape: Shape, rank: int, device: torch.device, dtype
             torch.manual_seed(1000 + layer)
             blocks.append(MHABlock(shape.hidden))
         return nn.Sequential(*blocks).to(device, dtype)
-    import pipecomm
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=4 * shape.hidden,
                          num_hidden_layers=shape.layers, num_attention_heads=max(2, shape.hidden // 128),
                          num_key_value_heads=max(1, shape.hidden // 256), max_position_embeddings=shape.seq,
-                         use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    llama = LlamaForCausalLM(config).to(dtype)
-    llama.model.embed_tokens.pipeline_stage = 0
-    for index, block in enumerate(llama.model.layers):
-        block.pipeline_stage = 2 * index // shape.layers
-    llama.model.norm.pipeline_stage = llama.lm_head.pipeline_stage = 1
-    example = (torch.zeros(shape.micro_batch_size, shape.seq, dtype=torch.long),)
-    stages = pipecomm.split(llama, 2, [0, 1], example_inputs=example, device=device)
-    with torch.no_grad():
-        boundary_dtypes = [value.dtype for value in stages[0](*(value.to(device) for value in example))]
-    return FloatBoundary(stages[rank], boundary_dtypes)
+                         use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
+    llama = LlamaForCausalLM(config)
+    return LlamaStage(llama, half, first=rank == 0, last=rank == 1).to(device, dtype)
 
 
 def make_batch(model: str, shape: Shape, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
