@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipecomm import executor  # noqa: E402
+from pipecomm import stage_runner  # noqa: E402
 from pipecomm.recompute import checkpoint_stages  # noqa: E402
 from _common import environment, print_environment, print_table, write_json  # noqa: E402
 from e2e import Block, build_chunk, config_named, make_batch  # noqa: E402
@@ -35,7 +35,7 @@ COLUMNS = ["p", "mode", "layers", "peak_GiB", "above_base_GiB", "kept_MiB", "ms_
            "time/none"]
 
 
-class _Kept(executor._SavedStorages):
+class _Kept(stage_runner._SavedStorages):
     """The executor's record of what autograd saves, also adding up the bytes of each new storage."""
 
     def __init__(self, parameters: set[int]):
@@ -44,7 +44,7 @@ class _Kept(executor._SavedStorages):
         self.nbytes = 0
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        pointer = executor._storage_pointer(tensor)
+        pointer = stage_runner._storage_pointer(tensor)
         if pointer not in self.pointers and pointer not in self.parameters:
             self.nbytes += tensor.untyped_storage().nbytes()
         return super()._pack(tensor)
@@ -69,11 +69,11 @@ def measure(config_name: str, p: int, mode: str, device: torch.device, dtype: to
             saved = _Kept(parameters)
             with saved.observe():
                 output = module(x)
-            executor._free_storage([output], saved)  # as after its send
+            stage_runner._free_storage([output], saved)  # as after its send
             outputs.append(output)
             kept.append(saved.nbytes)
         for output, grad in zip(outputs, output_grads):
-            executor._run_backward([output], [grad], list(module.parameters()), keep_graph=False)
+            stage_runner.run_backward([output], [grad], list(module.parameters()), keep_graph=False)
 
     cuda = device.type == "cuda"
     for _ in range(warmup):

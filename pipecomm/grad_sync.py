@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pipecomm.executor import GradientSink
+from pipecomm.gradient_sink import GradientSink
 from pipecomm.failure import Collective
 
 __all__: list[str] = []

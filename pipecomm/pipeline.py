@@ -22,7 +22,8 @@ from pipecomm.capture import CapturedStage
 from pipecomm.compiled_modules import replaying_inductor_graphs
 from pipecomm.device_timing import DeviceTimeline
 from pipecomm.auto_schedule import CostMeter, initial_schedule
-from pipecomm.executor import GradientSink, StageExecutor
+from pipecomm.executor import StageExecutor
+from pipecomm.gradient_sink import GradientSink
 from pipecomm.failure import Collective, FailureNotes, PeerFailedError, describe
 from pipecomm.grad_sync import DataParallelGrads, SharedParameters, local_shard, stage_norm
 from pipecomm.parallel import uses_nccl
@@ -415,14 +416,12 @@ class Pipeline:
                                   [costs], self.group, f"pipeline rank {self.rank}: the all-reduce of the measured costs"))
         measured = dict(zip(("F", "I", "W"), costs.tolist()))
         plan = plan_schedule(self.num_ranks, self.micro_batches, measured, placement=self.schedule.placement)
-        self.schedule = self._executor.schedule = plan  # plan_schedule validated it
+        self.schedule = plan  # plan_schedule validated it
+        self._executor.switch_schedule(plan, self._device_timing)
         self.planned_costs = measured
-        if not any(action.kind == "I" for action in plan.actions[self.rank]):
-            self._executor.weight_grad_store = None
+        if self._executor.weight_grad_store is None:
             self._undo_deferral()
             self._undo_deferral = lambda: None
-        if not self._device_timing:
-            self._executor.device_timeline = None
         self._costs = None
 
     def _check_usable(self, action: str) -> None:

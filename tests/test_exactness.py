@@ -18,7 +18,7 @@ from models import HIDDEN, Block
 from ranks import held_stages, needs_cuda, run_ranks
 
 import pipecomm
-from pipecomm import executor
+from pipecomm import executor, stage_runner
 
 # -- frozen parameters -------------------------------------------------------------------------
 
@@ -244,7 +244,7 @@ def test_an_output_autograd_saved_keeps_its_data_after_the_send(tmp_path):
 def test_only_outputs_no_saved_tensor_shares_are_freed():
     x = torch.randn(4, HIDDEN, requires_grad=True)
     scale = torch.randn(HIDDEN, requires_grad=True)
-    saved = executor._SavedStorages()
+    saved = stage_runner._SavedStorages()
     with saved.observe():
         h = torch.tanh(x)  # tanh saves its own output
         product = h * scale  # saves h (and scale)
@@ -254,7 +254,7 @@ def test_only_outputs_no_saved_tensor_shares_are_freed():
         view = summed[:2]
     outputs = [summed, h, recomputed, view, x, summed]  # a view, a leaf, one output twice
     pointers = [tensor.untyped_storage().data_ptr() for tensor in outputs]
-    executor._free_storage(outputs, saved)
+    stage_runner._free_storage(outputs, saved)
     freed = [tensor.untyped_storage().data_ptr() != pointer for tensor, pointer in zip(outputs, pointers)]
     assert freed == [True, False, False, False, False, True]
     torch.testing.assert_close(view, (product + 1)[:2])
@@ -262,14 +262,14 @@ def test_only_outputs_no_saved_tensor_shares_are_freed():
     # A forward whose saved tensors were not observed (a CUDA-graph replay) keeps all its outputs.
     unobserved = torch.tanh(x) * 2
     pointer = unobserved.untyped_storage().data_ptr()
-    executor._free_storage([unobserved], None)
+    stage_runner._free_storage([unobserved], None)
     assert unobserved.untyped_storage().data_ptr() == pointer
 
 
 def test_observing_what_autograd_saves_makes_no_reference_cycle():
     """An output an op saved for backward (tanh's) must go with its last reference, not wait for the garbage collector."""
     x = torch.randn(4, requires_grad=True)
-    saved = executor._SavedStorages()
+    saved = stage_runner._SavedStorages()
     gc.disable()
     try:
         with saved.observe():
@@ -321,7 +321,7 @@ def gradient_free_values(rank: int, world_size: int) -> tuple[list, list]:
     send_backward = executor.StageExecutor._send_backward
 
     def recording(self, stage, micro_batch):
-        sent.append([grad is not None for grad in self._grads_in[(stage, micro_batch)]])
+        sent.append([grad is not None for grad in self.stages[stage].record(micro_batch).input_grads])
         send_backward(self, stage, micro_batch)
 
     executor.StageExecutor._send_backward = recording

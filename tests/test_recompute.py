@@ -13,8 +13,8 @@ from models import HIDDEN, Block
 from ranks import held_stages, run_ranks
 
 import pipecomm
-from pipecomm import executor
-from pipecomm.executor import GradientSink
+from pipecomm import stage_runner
+from pipecomm.gradient_sink import GradientSink
 from pipecomm.recompute import checkpoint_stages
 from pipecomm.schedule import SCHEDULES
 from pipecomm.split_backward import WeightGradStore, check_reported, defer_linear_weight_grads
@@ -206,7 +206,7 @@ def test_dropout_in_recomputed_stages_draws_the_forward_masks(tmp_path, recomput
 
 def stage_backward(x: torch.Tensor, outputs: list, grads: list, params: list) -> tuple:
     """The executor's backward of a non-last stage: gradients of ``outputs`` w.r.t. ``x`` and ``params``."""
-    return executor._run_backward(outputs, grads, [x] + params, keep_graph=False)
+    return stage_runner.run_backward(outputs, grads, [x] + params, keep_graph=False)
 
 
 @pytest.mark.parametrize("recompute", [True, blocks_and_gates], ids=["whole-stage", "selective"])
@@ -216,11 +216,11 @@ def test_sent_outputs_are_freed_only_where_no_recomputation_reads_them(recompute
     reference = copy.deepcopy(stage)
     undo = checkpoint_stages([stage], recompute)
     x = torch.randn(BATCH, HIDDEN, requires_grad=True)
-    saved = executor._SavedStorages()
+    saved = stage_runner._SavedStorages()
     with saved.observe():
         outputs = list(stage(x))
     pointers = [output.untyped_storage().data_ptr() for output in outputs]
-    executor._free_storage(outputs, saved)
+    stage_runner._free_storage(outputs, saved)
     freed = [output.untyped_storage().data_ptr() != pointer for output, pointer in zip(outputs, pointers)]
     # Whole: the stage's outputs are recomputed. Selective: the gate's keyword input, also sent, is read by its
     # recomputation, so it stays; the gate's own output is recomputed.

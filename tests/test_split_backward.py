@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pipecomm
-from pipecomm.executor import GradientSink
+from pipecomm.gradient_sink import GradientSink
 from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
 
 

@@ -1,0 +1,95 @@
+"""Where a stage's parameter gradients accumulate over the micro-batches: ``.grad`` or fp32 ``main_grad`` buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from pipecomm._ops import accumulate_
+from pipecomm.split_backward import DeferredGrad, weight_grad
+
+__all__: list[str] = []
+
+# accumulate_ kernels exist for these (accumulator, grad) pairs; others fall back to add_.
+_NATIVE_PAIRS = {
+    (torch.float32, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+}
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class GradientSink:
+    """Where a stage's parameter gradients go: ``.grad`` (default) or fp32 ``main_grad`` buffers.
+
+    With ``main_grad``, the bf16/fp16 parameters that require grad share one flat fp32 buffer; one
+    unfrozen later gets a buffer of its own with its first gradient. Frozen parameters get no gradient.
+    With ``live`` (a stage sharded by FSDP), ``params`` are the module's parameters at the time they
+    are read: FSDP swaps its unsharded ones in while they are gathered, and those are what autograd sees.
+    """
+
+    def __init__(self, params: list[nn.Parameter], main_grad: bool, live: nn.Module | None = None):
+        self._params = params
+        self._live = live
+        self.main_grad = main_grad
+        if main_grad:
+            low_precision = [p for p in params if p.dtype in _LOW_PRECISION and p.requires_grad]
+            total = sum(p.numel() for p in low_precision)
+            device = low_precision[0].device if low_precision else None
+            self.flat_main_grad = torch.zeros(total, dtype=torch.float32, device=device) if low_precision else None
+            offset = 0
+            for param in low_precision:
+                param.main_grad = self.flat_main_grad[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return list(self._live.parameters()) if self._live is not None else self._params
+
+    def target(self, param: nn.Parameter) -> torch.Tensor | None:
+        if self.main_grad and param.dtype in _LOW_PRECISION:
+            return getattr(param, "main_grad", None)
+        return param.grad
+
+    def add(self, grads: Sequence[torch.Tensor | None], params: Sequence[nn.Parameter] | None = None) -> None:
+        """Adds one micro-batch's gradients of ``params`` (default: all): one fused launch per dtype pair (DTensors,
+        a tensor-parallel layer's, add through their own dispatch)."""
+        accumulators, sources = [], []
+        for param, grad in zip(self.params if params is None else params, grads):
+            if grad is None:
+                continue
+            target = self.target(param)
+            if target is None:
+                self._start(param, grad)
+            elif (target.dtype, grad.dtype) in _NATIVE_PAIRS and not isinstance(target, DTensor):
+                accumulators.append(target)
+                sources.append(grad)
+            else:
+                target.add_(grad)
+        accumulate_(accumulators, sources)
+
+    def _start(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        # A copy: autograd may hand back one tensor for several parameters, or an expanded view.
+        if self.main_grad and param.dtype in _LOW_PRECISION:
+            param.main_grad = grad.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        else:
+            param.grad = grad.clone(memory_format=torch.contiguous_format)
+
+    @torch.no_grad()  # the saved inputs carry autograd history, which .grad must not record
+    def add_weight_grads(self, deferred: Sequence[DeferredGrad]) -> None:
+        """Deferred Linear weight gradients; where the dtypes allow, the GEMM accumulates in place."""
+        params, grads = [], []
+        for param, x, grad_output in deferred:
+            target = self.target(param)
+            if target is not None and target.dtype == grad_output.dtype == x.dtype:
+                target.addmm_(grad_output.reshape(-1, grad_output.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+            else:
+                # In the parameter's dtype, as autograd hands gradients back (under autocast, too).
+                params.append(param)
+                grads.append(weight_grad(grad_output, x).to(param.dtype))
+        self.add(grads, params)

@@ -1,0 +1,237 @@
+"""One stage's compute on its micro-batches: forward, backward, backward-input, backward-weight, eager or graphed."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pipecomm import boundary
+from pipecomm.cuda_graphs import GraphedStage
+from pipecomm.gradient_sink import GradientSink
+from pipecomm.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported
+
+__all__: list[str] = []
+
+
+@dataclass
+class MicroBatch:
+    """What a stage holds of one micro-batch between its actions."""
+
+    received: boundary.Received | None = None  # the message its forward reads (not on the first stage)
+    inputs: list[torch.Tensor] = field(default_factory=list)  # the received tensors that gradients answer
+    outputs: boundary.Flat | None = None  # the forward's output (the loss on the last stage) until the backward
+    saved: _SavedStorages | None = None  # what autograd saved, until the outputs' send frees what it does not hold
+    output_grads: tuple | None = None  # the gradients of the outputs, received (the loss's: ones)
+    input_grads: tuple | None = None  # the gradients of ``inputs`` until they are sent
+    deferrals: list[Deferral] = field(default_factory=list)  # the Linear layers that deferred in the forward
+    deferred: list[DeferredGrad] = field(default_factory=list)  # their weight gradients' operands, after I
+
+
+class EagerStage:
+    """A stage module run eagerly: each forward keeps its autograd graph until the micro-batch's backward."""
+
+    def __init__(self, module: nn.Module, sink: GradientSink, index: int, scaled_loss: Callable | None,
+                 weight_grad_store: WeightGradStore | None, rank: int):
+        self.module = module
+        self.sink = sink
+        self.index = index
+        self.scaled_loss = scaled_loss  # (output, *targets) -> the loss over the step's micro-batches; last stage
+        self.weight_grad_store = weight_grad_store
+        self.rank = rank
+        self.micro_batches: dict[int, MicroBatch] = {}
+
+    def start(self) -> None:
+        """A new step or inference: nothing held."""
+        self.micro_batches = {}
+
+    def record(self, micro_batch: int) -> MicroBatch:
+        held = self.micro_batches.get(micro_batch)
+        if held is None:
+            held = self.micro_batches[micro_batch] = MicroBatch()
+        return held
+
+    def forward(self, micro_batch: int, args: tuple, kwargs: dict, received: list[torch.Tensor],
+                targets: tuple) -> torch.Tensor | None:
+        """The forward of one micro-batch, whose ``received`` tensors are among ``args`` (and on the last stage its
+        loss, which it returns detached)."""
+        held = self.record(micro_batch)
+        held.inputs = received
+        store = self.weight_grad_store
+        if store:
+            store.recording = held.deferrals
+        saved = None if self.scaled_loss else _SavedStorages()
+        try:
+            with saved.observe() if saved else contextlib.nullcontext():
+                output = self.module(*args, **kwargs)
+        finally:
+            if store:
+                store.recording = None
+        if self.scaled_loss is None:
+            held.outputs, held.saved = boundary.stage_output(output), saved
+            return None
+        loss = self.scaled_loss(output, *targets)
+        held.outputs, held.output_grads = boundary.flatten(loss), (torch.ones_like(loss),)
+        return loss.detach()
+
+    def infer(self, micro_batch: int, args: tuple, kwargs: dict):
+        """An inference forward: no saved tensors, nothing kept past its send; returns the last stage's output."""
+        output = self.module(*args, **kwargs)
+        if self.scaled_loss is not None:
+            return output
+        self.record(micro_batch).outputs = boundary.stage_output(output)
+        return None
+
+    def outputs_sent(self, micro_batch: int) -> None:
+        """The forward's outputs were sent: their data goes where no backward reads it."""
+        held = self.micro_batches[micro_batch]
+        _free_storage(held.outputs.tensors, held.saved)
+        held.saved = None
+
+    def backward(self, micro_batch: int) -> None:
+        """The whole backward: input gradients and every parameter's, accumulated into the sink."""
+        self._backward(self.micro_batches[micro_batch])
+
+    def backward_input(self, micro_batch: int) -> None:
+        """Input gradients and every parameter gradient but the deferred Linear weight GEMMs' (the critical path)."""
+        held = self.micro_batches[micro_batch]
+        roots = [out for out, grad in zip(held.outputs.tensors, held.output_grads or ()) if grad is not None]
+        self.weight_grad_store.collecting = held.deferred
+        try:
+            self._backward(held)
+        finally:
+            self.weight_grad_store.collecting = None
+        check_reported(held.deferrals, roots,
+                       f"pipeline rank {self.rank}, stage {self.index}, micro-batch {micro_batch}, I pass")
+
+    def backward_weight(self, micro_batch: int) -> None:
+        """The deferred Linear weight gradients of the micro-batch's I pass."""
+        self.sink.add_weight_grads(self.micro_batches.pop(micro_batch).deferred)
+
+    def take_input_grads(self, micro_batch: int) -> tuple:
+        held = self.micro_batches[micro_batch]
+        grads, held.input_grads = held.input_grads, None
+        return grads
+
+    def _backward(self, held: MicroBatch) -> None:
+        """Backward of a micro-batch towards the stage's inputs and its parameters that require grad."""
+        outputs, grads, inputs = held.outputs.tensors, held.output_grads, held.inputs
+        held.outputs = held.output_grads = None
+        wanted = [tensor for tensor in inputs if tensor.requires_grad]
+        params = [p for p in self.sink.params if p.requires_grad]
+        results = run_backward(outputs, grads, wanted + params, keep_graph=False)
+        if self.index > 0:  # the first stage's inputs are data
+            remaining = iter(results[: len(wanted)])
+            held.input_grads = tuple(next(remaining) if tensor.requires_grad else None for tensor in inputs)
+        held.inputs = []
+        self.sink.add(results[len(wanted):], params)
+
+
+class GraphedRunner(EagerStage):
+    """A stage whose forward and backward replay CUDA graphs (``cuda_graphs.GraphedStage``); it infers eagerly."""
+
+    def __init__(self, graphed: GraphedStage, sink: GradientSink, index: int, scaled_loss: Callable | None,
+                 weight_grad_store: WeightGradStore | None, rank: int):
+        super().__init__(graphed.module, sink, index, scaled_loss, weight_grad_store, rank)
+        self.graphed = graphed
+
+    def forward(self, micro_batch: int, args: tuple, kwargs: dict, received: list[torch.Tensor],
+                targets: tuple) -> torch.Tensor | None:
+        outputs = self.graphed.forward(micro_batch, args, targets, kwargs)
+        self.record(micro_batch).outputs = boundary.Flat(list(outputs), self.graphed.output_layout)
+        if self.scaled_loss is None:
+            return None
+        return outputs[0].detach().clone()  # the graph's loss buffer is rewritten by the next replay
+
+    def outputs_sent(self, micro_batch: int) -> None:
+        pass  # the slot's static outputs are the graph's to reuse
+
+    def backward(self, micro_batch: int) -> None:
+        held = self.micro_batches[micro_batch]
+        input_grads, param_grads = self.graphed.backward(micro_batch, held.output_grads)
+        held.outputs = held.output_grads = None
+        held.inputs = []
+        if self.index > 0:
+            # Copies: the slot's buffers are rewritten by its next replay, maybe before a send has read them.
+            held.input_grads = tuple(grad.clone() if grad is not None else None for grad in input_grads)
+        self.sink.add(param_grads)
+
+    def backward_input(self, micro_batch: int) -> None:
+        self.backward(micro_batch)  # the slot's I graph
+
+    def backward_weight(self, micro_batch: int) -> None:
+        self.micro_batches.pop(micro_batch, None)
+        self.sink.add(self.graphed.backward_weights(micro_batch))
+
+
+def run_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor],
+                 keep_graph: bool) -> tuple:
+    """Gradients of ``outputs`` w.r.t. ``inputs`` without accumulating into ``.grad``.
+
+    Goes to the autograd engine directly, as Megatron does, because the outputs' storage was freed
+    after they were sent and torch.autograd.grad would reject their placeholder shapes. An output
+    without a gradient (the next stage did not use it) contributes nothing.
+    """
+    pairs = [(out, grad) for out, grad in zip(outputs, grads) if out.requires_grad and grad is not None]
+    if not pairs or not inputs:
+        return (None,) * len(inputs)
+    tensors, grad_tensors = zip(*pairs)
+    return torch.autograd.Variable._execution_engine.run_backward(
+        tensors, grad_tensors, keep_graph, False, tuple(inputs), True, False
+    )
+
+
+class _SavedStorages:
+    """The storages of the tensors autograd saves for backward during a forward, seen by saved-tensor hooks (which
+    see what torch.compile'd regions save too)."""
+
+    def __init__(self):
+        self.pointers: set[int] = set()
+        self.complete = True  # False once a saved tensor had no storage to note (a wrapper subclass)
+
+    def observe(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        pointer = _storage_pointer(tensor)
+        if pointer is None:
+            self.complete = False
+        else:
+            self.pointers.add(pointer)
+        return tensor.detach()  # what autograd keeps must not hold the tensor itself: a saved output would be a cycle
+
+    def unreferenced(self, tensor: torch.Tensor) -> bool:
+        pointer = _storage_pointer(tensor)
+        return self.complete and pointer is not None and pointer not in self.pointers
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _storage_pointer(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _free_storage(outputs: Sequence[torch.Tensor], saved: _SavedStorages | None) -> None:
+    """Drops the data of sent outputs while their autograd nodes live on (Megatron's deallocate_output_tensor).
+
+    ``.data`` swaps the storage of the tensor object itself, so whatever holds that object for the
+    backward would read the placeholder: an op that saved it (a multiply, for its other operand's
+    gradient) or zb-h1's deferred weight gradient, which keeps a Linear's input (autograd saves that
+    input too). So an output is freed only if no tensor autograd saved shares its storage, if autograd
+    computed it (a leaf may be a parameter or a received input passed through) and if it is no view
+    (its base keeps the memory). Outputs of a forward whose saves were not observed (``saved`` None:
+    CUDA graphs) are all kept.
+    """
+    if saved is None:
+        return
+    for tensor in outputs:
+        if tensor.grad_fn is not None and tensor._base is None and saved.unreferenced(tensor):
+            tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)
