@@ -86,6 +86,11 @@ def init(pipeline_size: int | None = None, data_size: int = 1, tensor_size: int 
     )
 
 
+def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    """The default group's rank of ``group``'s rank ``group_rank`` (None: the default group itself)."""
+    return dist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+
 def uses_nccl(group: dist.ProcessGroup | None = None) -> bool:
     """Whether CUDA tensors cross ``group`` (the default one if None) over NCCL: its backend is "nccl" or a
     per-device mix such as "cpu:gloo,cuda:nccl"."""

@@ -331,7 +331,7 @@ def dist_pipeline_trains_exactly(rank: int, world_size: int, changing: bool, kin
         if cuda:
             torch.cuda.set_sync_debug_mode(0)
     closed = []
-    for (peer, channel_kind), channel in pipe._channels.items():
+    for (peer, channel_kind), channel in pipe._links.channels.items():
         pair = (min(rank, peer), max(rank, peer), channel_kind)
         channel.close = lambda close=channel.close, pair=pair: (closed.append(pair), close())[1]
     pipe.close()

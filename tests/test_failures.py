@@ -161,7 +161,7 @@ def clip_grad_norm(rank, world_size, clock):
     x, y = data()
     pipe.step(x, target=y)
     if rank == 1:
-        pipe._wire_device = lambda: fail_now(clock, "clip_grad_norm_ failed on rank 1")
+        pipe._collectives.wire_device = lambda: fail_now(clock, "clip_grad_norm_ failed on rank 1")
     return pipe, lambda: pipe.clip_grad_norm_(1.0)
 
 
@@ -169,13 +169,13 @@ def next_step(rank, world_size, clock):
     """The last rank fails after the loss broadcast: its peer finished the step and learns at its next one."""
     pipe = make_pipe(rank, world_size)
     if rank == world_size - 1:
-        broadcast = pipe._broadcast
+        broadcast = pipe._collectives.broadcast
 
         def broadcast_then_fail(*args):
             broadcast(*args)
             fail_now(clock, "failed after the loss broadcast")
 
-        pipe._broadcast = broadcast_then_fail
+        pipe._collectives.broadcast = broadcast_then_fail
     x, y = data()
 
     def two_steps():

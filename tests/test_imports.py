@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pipecomm
@@ -117,3 +119,12 @@ def test_find_cycle_reports_one():
 def test_no_import_cycle_in_pipecomm():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_importing_pipecomm_leaves_the_excepthook_and_exit_handlers_alone():
+    # The fail-fast hooks are the first Pipeline's to install: importing the library changes nothing of the process.
+    script = ("import atexit, sys, torch, torch.distributed; before = atexit._ncallbacks(); import pipecomm; "
+              "assert sys.excepthook is sys.__excepthook__, sys.excepthook; "
+              "assert atexit._ncallbacks() == before, atexit._ncallbacks()")
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr[-2000:]

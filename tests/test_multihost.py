@@ -68,7 +68,7 @@ hosts = [None] * 4
 dist.all_gather_object(hosts, os.environ["PIPECOMM_HOST_ID"])
 assert sorted(hosts) == ["a", "a", "b", "b"] and hosts[0] == hosts[1] != hosts[2] == hosts[3], hosts
 backends = {}
-for (peer, kind), channel in pipe._channels.items():
+for (peer, kind), channel in pipe._links.channels.items():
     backends[(peer, kind)] = (channel.channel if kind == "act" else channel).backend
 neighbours = [peer for peer in (ctx.stage - 1, ctx.stage + 1) if 0 <= peer < 4]
 expected = {(peer, kind): "shm" if hosts[peer] == hosts[ctx.stage] else "dist"

@@ -1,0 +1,174 @@
+"""Each Pipeline call fails fast: refused after a failure, alone on its process, and on failure published to every peer."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from pipecomm.failure import Collective, FailureNotes, PeerFailedError, describe
+from pipecomm.transport.channel import ChannelError
+
+__all__: list[str] = []
+
+
+class CallProtocol:
+    """One Pipeline's calls: ``call`` wraps each public call; ``fail`` publishes a failure and aborts everything."""
+
+    def __init__(self, pipeline_rank: int, global_rank: int, stages: list[int], abort: Callable[[str], None]):
+        self.pipeline_rank = pipeline_rank
+        self.global_rank = global_rank
+        self.stages = stages
+        self.abort = abort  # closes the Pipeline's links at once, each peer told the reason; never raises
+        self.notes = FailureNotes()
+        self.failed: str | None = None  # the failure that closed the Pipeline
+        self.closed = False
+
+    @contextlib.contextmanager
+    def call(self, action: str) -> Iterator[None]:
+        """One public call: refused after a failure or close, refused while another thread is in a Pipeline call,
+        and failing fast."""
+        self._check_usable(action)
+        busy = _calls.enter(self.pipeline_rank, action)
+        try:
+            with self.failing(action):
+                if busy:
+                    raise RuntimeError(f"Pipeline rank {self.pipeline_rank}: {action} called from thread "
+                                       f"{threading.current_thread().name!r} while {busy}; Pipelines are not "
+                                       "thread-safe: calls on one process must not overlap")
+                reasons = self.notes.reasons(self.global_rank)
+                if reasons:
+                    raise PeerFailedError(f"pipeline rank {self.pipeline_rank}: cannot {action}: {reasons}")
+                yield
+        finally:
+            if not busy:
+                _calls.leave()
+
+    @contextlib.contextmanager
+    def failing(self, action: str) -> Iterator[None]:
+        """On a failure: this rank's cause published, or the cause another rank published named instead of a
+        symptom; the links aborted so that peers waiting on them fail at once; the Pipeline closed."""
+        try:
+            yield
+        except BaseException as error:
+            explained = self.fail(action, error)
+            if explained is error:
+                raise
+            raise explained from error
+
+    def fail(self, action: str, error: BaseException) -> BaseException:
+        """Publishes and aborts; returns the error to raise: ``error``, or a PeerFailedError naming the cause."""
+        symptom = isinstance(error, (ChannelError, TimeoutError, PeerFailedError))
+        reasons = self.notes.reasons(self.global_rank) if symptom else ""
+        explained = error
+        if reasons and not isinstance(error, PeerFailedError):
+            explained = PeerFailedError(f"{error} ({reasons})")
+        own = (f"rank {self.global_rank} (pipeline rank {self.pipeline_rank}, stages {self.stages}) failed in "
+               f"{action}: {describe(error)}")
+        if not reasons:
+            self.notes.publish(self.global_rank, own)
+        self.failed = describe(explained, limit=500)
+        self.closed = True
+        self.abort(reasons or own)  # the original cause first: the shm and IPC channels carry 240 bytes of it
+        return explained
+
+    def peer_failures(self) -> str:
+        """What other ranks published, for a wait that wants to stop once one has failed."""
+        return self.notes.reasons(self.global_rank)
+
+    def wait(self, collective: Collective, timeout: float) -> None:
+        """Waits for one of the Pipeline's collectives: at most ``timeout``, and not once another rank failed."""
+        collective.wait(timeout, self.notes, self.global_rank)
+
+    def _check_usable(self, action: str) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"Pipeline rank {self.pipeline_rank}: cannot {action}: an earlier call failed and "
+                               f"closed it ({self.failed}); build a new Pipeline")
+        if self.closed:
+            raise RuntimeError(f"Pipeline rank {self.pipeline_rank}: cannot {action}: it was closed")
+
+
+class _CallGuard:
+    """Which Pipeline call this process is in, so that an overlapping one from another thread is refused."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._inside: str = ""
+
+    def enter(self, pipeline_rank: int, action: str) -> str:
+        """Empty if this call may go ahead; otherwise the call it overlaps."""
+        if not self._lock.acquire(blocking=False):
+            return self._inside or "another Pipeline call is running"
+        self._inside = (f"thread {threading.current_thread().name!r} is in {action} of the Pipeline of rank "
+                        f"{pipeline_rank}")
+        return ""
+
+    def leave(self) -> None:
+        self._inside = ""
+        self._lock.release()
+
+
+_calls = _CallGuard()
+
+
+# -- the process's open Pipelines ------------------------------------------------------------------
+
+
+class Closable(Protocol):
+    calls: CallProtocol
+
+    def close(self) -> None: ...
+
+
+# Pipelines not closed yet: closed at exit, and told of an uncaught exception so that their peers hear of it.
+_live: weakref.WeakSet = weakref.WeakSet()
+_installed = False
+_WORKER_GRACE_SECONDS = 0.05
+_ran_on_several_ranks = False  # set by the first Pipeline of several ranks
+
+
+def track(pipeline: Closable, several_ranks: bool) -> None:
+    """``pipeline`` is open: closed when the interpreter exits, failed by an uncaught exception. The first one
+    installs the exit handler and the excepthook."""
+    global _installed, _ran_on_several_ranks, _previous_excepthook
+    _live.add(pipeline)
+    _ran_on_several_ranks = _ran_on_several_ranks or several_ranks
+    if not _installed:
+        _installed = True
+        atexit.register(close_live_pipelines)
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _fail_live_pipelines
+
+
+def untrack(pipeline: Closable) -> None:
+    _live.discard(pipeline)
+
+
+def close_live_pipelines() -> None:
+    """What the interpreter's exit does: every open Pipeline closed (its shared-memory files unlinked)."""
+    for pipe in list(_live):
+        with contextlib.suppress(Exception):
+            pipe.close()
+    if _ran_on_several_ranks:
+        # A gloo worker thread drops its references to a finished collective's tensors after the collective
+        # completes; dropping the last one needs the GIL, and a worker that asks for it once the interpreter is
+        # finalizing aborts the process ("terminate called without an active exception", pytorch#190489). A
+        # program's last collective (a metric's all-reduce, all_gather_object) may have finished just before it
+        # exits: give the workers the GIL for a moment while the interpreter is still whole.
+        time.sleep(_WORKER_GRACE_SECONDS)
+
+
+_previous_excepthook = sys.excepthook
+
+
+def _fail_live_pipelines(exc_type, exc_value, traceback) -> None:
+    """An uncaught exception ends this process: its Pipelines fail first, so that their peers raise with its cause."""
+    for pipe in list(_live):
+        with contextlib.suppress(BaseException):
+            pipe.calls.fail("the program (uncaught exception)", exc_value)
+    _previous_excepthook(exc_type, exc_value, traceback)

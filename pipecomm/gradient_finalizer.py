@@ -1,0 +1,74 @@
+"""A step's gradients made final: each stage's reductions over its replicas as soon as its last backward is done,
+shared parameters summed over their holders, and clipping by the norm over the whole pipeline."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipecomm.failure import Collective
+from pipecomm.grad_sync import DataParallelGrads, SharedParameters, local_shard, stage_norm
+from pipecomm.gradient_sink import GradientSink
+from pipecomm.pipeline_collectives import PipelineCollectives
+from pipecomm.sharded_stages import ShardedStages
+
+__all__: list[str] = []
+
+
+class GradientFinalizer:
+    """The gradients of this rank's stages (``sinks``), averaged over ``data_group``'s replicas (FSDP's
+    reduce-scatter for the sharded parameters, an all-reduce for the rest) and summed over the holders of a
+    shared parameter (``shared``, whose values it also makes equal at the start)."""
+
+    def __init__(self, sinks: dict[int, GradientSink], sharded: ShardedStages, data_group: dist.ProcessGroup | None,
+                 shared: SharedParameters | None, collectives: PipelineCollectives,
+                 wait: Callable[[Collective], None]):
+        self.sinks = sinks
+        self.sharded = sharded
+        self.shared = shared
+        self.collectives = collectives
+        self.wait = wait
+        self.data_parallel = (DataParallelGrads(sinks, data_group, skip=sharded.sharded_parameters())
+                              if data_group is not None and dist.get_world_size(data_group) > 1 else None)
+        if shared:
+            sharded_ids = sharded.sharded_parameters()
+            if any(id(param) in sharded_ids for param, _, _ in shared.entries):
+                raise ValueError("Pipeline: a parameter shared between stages (a tied embedding and head) is "
+                                 "sharded by fully_shard; keep it out of fully_shard (shard the blocks)")
+            shared.synchronize_values(wait)
+
+    def stage_done(self, stage: int) -> None:
+        """A stage's last backward of the step is done: its gradients go to their reductions over the replicas."""
+        self.sharded.finish(stage)
+        if self.data_parallel:
+            self.data_parallel.start(stage)
+
+    def finish_step(self) -> None:
+        """Waits for the replicas' reductions; sums the shared parameters' gradients over their holders."""
+        if self.data_parallel:
+            self.data_parallel.finish(self.wait)
+        if self.shared:
+            self.shared.reduce_grads(self._sink_of, self.wait)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float, several_ranks: bool) -> torch.Tensor:
+        """Clips every stage's gradients by the global norm across the whole pipeline; returns that norm."""
+        held = [(p, g) for sink in self.sinks.values() for p in sink.params if (g := sink.target(p)) is not None]
+        grads = [grad for _, grad in held]
+        elsewhere = self.shared.counted_by_another_rank() if self.shared else set()
+        counted = [grad for param, grad in held if id(param) not in elsewhere]
+        total = stage_norm(counted, norm_type).to(self.collectives.wire_device())
+        if several_ranks:
+            op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+            self.collectives.all_reduce(total, op, "clip_grad_norm_'s all-reduce of the gradient norm")
+        norm = total if norm_type == math.inf else total.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        if grads:
+            torch._foreach_mul_([local_shard(grad) for grad in grads], scale.to(grads[0].device))
+        return norm
+
+    def _sink_of(self, param: nn.Parameter) -> GradientSink:
+        return next(sink for sink in self.sinks.values() if any(p is param for p in sink.params))

@@ -1,0 +1,68 @@
+"""What a Pipeline refuses before any communication: a configuration, a schedule or stage modules that do not fit."""
+
+from __future__ import annotations
+
+import torch
+
+from pipecomm.capture import CapturedStage
+from pipecomm.compiled_modules import replaying_inductor_graphs
+from pipecomm.partition import StageModule
+from pipecomm.schedule import SCHEDULES, Schedule, looped_placement
+
+__all__: list[str] = []
+
+
+def check_configuration(modules, stages, num_stages, num_ranks, schedule) -> None:
+    """Every misconfiguration is a ValueError here, before any communication."""
+    if isinstance(schedule, Schedule):
+        if schedule.forward_only:
+            raise ValueError(f"Pipeline: the schedule {schedule.name!r} is forward-only, and step needs backwards; "
+                             "give a training schedule (Pipeline.forward derives its own forward-only one)")
+        if schedule.num_ranks != num_ranks:
+            raise ValueError(f"Pipeline: the schedule {schedule.name!r} is for {schedule.num_ranks} ranks, but the "
+                             f"pipeline group has {num_ranks}")
+    elif schedule not in (*SCHEDULES, "auto"):
+        raise ValueError(f"Pipeline: unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}, auto")
+    if len(modules) != len(stages):
+        raise ValueError(f"Pipeline: got {len(modules)} modules but {len(stages)} stage indices")
+    if num_stages != num_ranks * len(stages):
+        raise ValueError(
+            f"Pipeline: num_stages={num_stages} must equal the pipeline group size ({num_ranks}) times the "
+            f"stages per rank ({len(stages)})"
+        )
+    for module, stage in zip(modules, stages):
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"Pipeline: stage {stage} is out of range for num_stages={num_stages}")
+        if isinstance(module, (StageModule, CapturedStage)) and (module.stage_index, module.num_stages) != (stage, num_stages):
+            raise ValueError(f"Pipeline: the module given as stage {stage} of {num_stages} is stage "
+                             f"{module.stage_index} of {module.num_stages} as pipecomm.split made it; split the model "
+                             "into as many stages as the Pipeline has, and pass each rank its own")
+        replaying = replaying_inductor_graphs([module])
+        if replaying:
+            raise ValueError(f"Pipeline: stage {stage}'s {', '.join(repr(name) if name else 'module' for name in replaying)} "
+                             "is compiled with inductor's CUDA graphs (mode='reduce-overhead' or 'max-autotune'), whose "
+                             "replays write each call's outputs over the last call's, the activations of a micro-batch "
+                             "still in flight; compile with mode='default' or 'max-autotune-no-cudagraphs', and pass "
+                             "cuda_graphs=True to the Pipeline for graphs that hold each micro-batch apart")
+
+
+def check_schedule(schedule: Schedule, stages, rank: int, micro_batches: int) -> None:
+    """A schedule given as a Schedule must fit this Pipeline, and every schedule the stages this rank got."""
+    if schedule.micro_batches != micro_batches or schedule.num_stages != len(stages) * schedule.num_ranks:
+        raise ValueError(f"Pipeline: the schedule {schedule.name!r} runs {schedule.micro_batches} micro-batches of "
+                         f"{schedule.num_stages} stages, but the Pipeline has micro_batches={micro_batches} and "
+                         f"{len(stages)} stages per rank")
+    expected = list(schedule.stages_of(rank))
+    if sorted(stages) != expected:
+        where = ("stage s runs on rank s % num_ranks" if schedule.placement == looped_placement(schedule.num_ranks,
+                                                                                                 schedule.num_stages)
+                 else f"{schedule.name!r} places stages on ranks as {list(schedule.placement)}")
+        raise ValueError(f"Pipeline: rank {rank} of {schedule.num_ranks} holds stages {expected} ({where}; "
+                         f"make_schedule(...).stages_of(rank) tells), got {sorted(stages)}")
+
+
+def module_device(modules) -> torch.device:
+    for module in modules:
+        for param in module.parameters():
+            return param.device
+    return torch.device("cpu")
