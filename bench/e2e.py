@@ -59,8 +59,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipecomm.auto_schedule import MEASURED_STEPS, WARMUP_STEPS
-from pipecomm.schedule import looped_placement, make_schedule, simulate, v_placement
+from pipecomm.schedules.auto_schedule import MEASURED_STEPS, WARMUP_STEPS
+from pipecomm.schedules.schedule import looped_placement, make_schedule, v_placement
+from pipecomm.schedules.simulation import simulate
 
 from _common import RankFailure, environment, print_environment, print_table, spawn_ranks, start_rank, write_json
 

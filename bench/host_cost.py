@@ -217,7 +217,7 @@ def loss_for(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def pipecomm_runner(row: str, module: nn.Module, rank: int, shape: Shape, loss_fn: Callable, device: torch.device,
                     args: argparse.Namespace, meter: HostMeter) -> tuple[Callable[[], None], Callable[[], None]]:
     import pipecomm
-    from pipecomm.executor import StageExecutor
+    from pipecomm.runtime.executor import StageExecutor
 
     for name, kind in PIPECOMM_ACTIONS.items():
         meter.wrap(StageExecutor, name, kind)

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipecomm import stage_runner  # noqa: E402
-from pipecomm.recompute import checkpoint_stages  # noqa: E402
+from pipecomm.runtime import stage_runner  # noqa: E402
+from pipecomm.runtime.recompute import checkpoint_stages  # noqa: E402
 from _common import environment, print_environment, print_table, write_json  # noqa: E402
 from e2e import Block, build_chunk, config_named, make_batch  # noqa: E402
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipecomm.planner import plan_schedule  # noqa: E402
-from pipecomm.schedule import make_schedule, simulate  # noqa: E402
+from pipecomm.schedules.planner import plan_schedule  # noqa: E402
+from pipecomm.schedules.schedule import make_schedule  # noqa: E402
+from pipecomm.schedules.simulation import simulate  # noqa: E402
 
 CASES = ((2, 8), (4, 8), (8, 16), (4, 16), (8, 32))
 SCHEDULE_ARGUMENTS = {  # name -> (stages per rank, builds for the costs)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
 
-from pipecomm.fast_simulation import encode, step_and_busy_times
-from pipecomm.list_scheduling import _build_orders_python, build_orders
-from pipecomm.planner import plan_schedule
-from pipecomm.schedule import make_schedule, simulate, v_placement
+from pipecomm.schedules.fast_simulation import encode, step_and_busy_times
+from pipecomm.schedules.list_scheduling import _build_orders_python, build_orders
+from pipecomm.schedules.planner import plan_schedule
+from pipecomm.schedules.schedule import make_schedule, v_placement
+from pipecomm.schedules.simulation import simulate
 
 COSTS = {"F": 2.95, "I": 4.85, "W": 2.25}
 SCHEDULE = make_schedule("zb-v", num_ranks=8, micro_batches=64)  # v = 2

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import pipecomm
-from pipecomm.schedule import simulate
+from pipecomm.schedules.simulation import simulate
 
 
 class Block(nn.Module):

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import pipecomm
-from pipecomm.schedule import simulate
+from pipecomm.schedules.simulation import simulate
 
 # interleaved-1f1b's chunks per rank (rank r: r and r + p); zb-v places its two per rank in a V (r and 2p - 1 - r).
 INTERLEAVED_CHUNKS = 2

@@ -6,13 +6,14 @@ import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from pipecomm import _C
 from pipecomm._ops import accumulate_, pack, packed_nbytes, unpack_
-from pipecomm.auto_schedule import starting_schedule
-from pipecomm.failure import PeerFailedError
-from pipecomm.parallel import ParallelContext, init
-from pipecomm.partition import StageModule, merge_checkpoints, split
+from pipecomm.schedules.auto_schedule import starting_schedule
+from pipecomm.runtime.failure import PeerFailedError
+from pipecomm.parallel.mesh import ParallelContext, init
+from pipecomm.splitting.partition import StageModule, merge_checkpoints, split
 from pipecomm.pipeline import Pipeline
-from pipecomm.planner import plan_schedule
-from pipecomm.schedule import make_schedule, simulate
+from pipecomm.schedules.planner import plan_schedule
+from pipecomm.schedules.schedule import make_schedule
+from pipecomm.schedules.simulation import simulate
 
 try:
     __version__ = version("pipecomm")

@@ -16,23 +16,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipecomm import fail_fast, microbatch, step_trace, transport
-from pipecomm.auto_schedule import CostMeter, initial_schedule
-from pipecomm.device_timing import DeviceTimeline
-from pipecomm.executor import StageExecutor
-from pipecomm.failure import Collective
-from pipecomm.gradient_finalizer import GradientFinalizer
-from pipecomm.gradient_sink import GradientSink
-from pipecomm.grad_sync import SharedParameters
-from pipecomm.links import NeighbourLinks
-from pipecomm.parallel import global_rank
-from pipecomm.pipeline_checks import check_configuration, check_schedule, module_device
-from pipecomm.pipeline_collectives import PipelineCollectives
-from pipecomm.planner import plan_schedule
-from pipecomm.recompute import checkpoint_stages
-from pipecomm.schedule import Schedule, forward_schedule, make_schedule, validate
-from pipecomm.sharded_stages import ShardedStages
-from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
+from pipecomm import transport
+from pipecomm.runtime import fail_fast, microbatch, step_trace
+from pipecomm.schedules.auto_schedule import CostMeter, initial_schedule
+from pipecomm.runtime.device_timing import DeviceTimeline
+from pipecomm.runtime.executor import StageExecutor
+from pipecomm.runtime.failure import Collective
+from pipecomm.parallel.gradient_finalizer import GradientFinalizer
+from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.parallel.grad_sync import SharedParameters
+from pipecomm.runtime.links import NeighbourLinks
+from pipecomm.parallel.mesh import global_rank
+from pipecomm.runtime.checks import check_configuration, check_schedule, module_device
+from pipecomm.runtime.collectives import PipelineCollectives
+from pipecomm.schedules.planner import plan_schedule
+from pipecomm.runtime.recompute import checkpoint_stages
+from pipecomm.schedules.schedule import Schedule, forward_schedule, make_schedule
+from pipecomm.schedules.validation import validate
+from pipecomm.parallel.sharded_stages import ShardedStages
+from pipecomm.runtime.split_backward import WeightGradStore, defer_linear_weight_grads
 
 __all__ = ["Pipeline"]
 
@@ -54,7 +56,7 @@ class Pipeline:
 
     ``module``/``stage`` are one module and its stage index, or lists of them for schedules with
     several stages per rank (interleaved-1f1b: rank r holds stages r, r + p, r + 2p, ...; zb-v: r
-    and 2p - 1 - r). ``schedule`` is a name of ``pipecomm.schedule.SCHEDULES``, a ``Schedule``
+    and 2p - 1 - r). ``schedule`` is a name of ``pipecomm.schedules.schedule.SCHEDULES``, a ``Schedule``
     (``pipecomm.make_schedule``, e.g. zb-v built for measured costs) or ``"auto"``: the first three
     steps run zb-h1 (one stage per rank) or zb-v (two in a V) and time each rank's F, I and W (on
     GPUs with CUDA events), then every rank switches to ``pipecomm.plan_schedule``'s plan for the

@@ -70,7 +70,7 @@ def _entry(rank: int, world_size: int, store_path: str | int, process_group: str
     finally:
         # What the interpreter's exit did for a spawned rank, which a forked one leaves with os._exit: Pipelines
         # still open are closed (their shared-memory files unlinked), then the process groups.
-        pipecomm.fail_fast.close_live_pipelines()
+        pipecomm.runtime.fail_fast.close_live_pipelines()
         if dist.is_initialized():
             dist.destroy_process_group()
 

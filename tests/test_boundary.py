@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
-from pipecomm import boundary
+from pipecomm.runtime import boundary
 
 Point = collections.namedtuple("Point", "x y")
 

@@ -12,7 +12,7 @@ from torch import nn
 from models import VOCAB, LongSkip, ResidualCNN, gpt2, llama
 
 import pipecomm
-from pipecomm.capture import CapturedStage
+from pipecomm.splitting.capture import CapturedStage
 
 
 

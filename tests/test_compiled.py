@@ -19,8 +19,8 @@ from models import HIDDEN, Block
 from ranks import needs_cuda, run_ranks
 
 import pipecomm
-from pipecomm import split_backward
-from pipecomm.failure import PeerFailedError
+from pipecomm.runtime import split_backward
+from pipecomm.runtime.failure import PeerFailedError
 
 ALL_SCHEDULES = (*SCHEDULES, ("auto", 1))
 COUNTERS: list[CompileCounterWithBackend] = []  # this process's compilations, to check that compiled code ran

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipecomm.cuda_graphs import GraphedStage, in_flight_slots
-from pipecomm.schedule import make_schedule
-from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
+from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots
+from pipecomm.schedules.schedule import make_schedule
+from pipecomm.runtime.split_backward import WeightGradStore, defer_linear_weight_grads
 from ranks import needs_cuda
 
 

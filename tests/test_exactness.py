@@ -18,7 +18,7 @@ from models import HIDDEN, Block
 from ranks import held_stages, needs_cuda, run_ranks
 
 import pipecomm
-from pipecomm import executor, stage_runner
+from pipecomm.runtime import executor, stage_runner
 
 # -- frozen parameters -------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from torch import nn
 from ranks import run_ranks
 
 import pipecomm
-from pipecomm import failure
+from pipecomm.runtime import failure
 
 HIDDEN = 8
 BOUND_SECONDS = 5.0  # every rank must raise this soon after the fault; the Pipelines' timeout is 60 s
@@ -350,7 +350,7 @@ EXIT_SCRIPT = """
 import torch, torch.distributed as dist
 from torch import nn
 import pipecomm
-from pipecomm import failure
+from pipecomm.runtime import failure
 
 context = pipecomm.init()
 torch.manual_seed(0)

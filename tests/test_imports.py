@@ -108,7 +108,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_sees_the_package():
     graph = import_graph()
     assert "pipecomm.pipeline" in graph["pipecomm"]
-    assert "pipecomm.schedule" in graph["pipecomm.planner"]
+    assert "pipecomm.schedules.schedule" in graph["pipecomm.schedules.planner"]
 
 
 def test_find_cycle_reports_one():
@@ -128,3 +128,19 @@ def test_importing_pipecomm_leaves_the_excepthook_and_exit_handlers_alone():
               "assert atexit._ncallbacks() == before, atexit._ncallbacks()")
     completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr[-2000:]
+
+
+def test_schedules_import_no_torch():
+    # Schedules are data: planning and simulating one needs numpy (and numba, when installed), never torch.
+    for path in sorted((PACKAGE_ROOT / "schedules").glob("*.py")):
+        for node in _imports(ast.parse(path.read_text(), str(path)).body):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            outside = [name for name in names if name.split(".")[0] == "torch"
+                       or (name.startswith("pipecomm") and not name.startswith("pipecomm.schedules"))]
+            assert not outside, f"{path.relative_to(PACKAGE_ROOT)} imports {outside}"
+
+
+def test_every_module_says_what_it_is_for():
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text(), str(path)))
+        assert docstring and docstring.strip(), f"{path.relative_to(PACKAGE_ROOT)} has no docstring"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipecomm import microbatch
+from pipecomm.runtime import microbatch
 
 
 def test_every_tensor_leaf_is_split_and_other_leaves_are_shared():

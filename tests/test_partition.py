@@ -16,7 +16,7 @@ from torch import nn
 from models import MaskedBlock
 from ranks import run_ranks
 
-from pipecomm.partition import StageModule, merge_checkpoints, split
+from pipecomm.splitting.partition import StageModule, merge_checkpoints, split
 
 HIDDEN = 16
 VOCAB = 11

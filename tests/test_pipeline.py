@@ -14,7 +14,7 @@ from models import MaskedBlock
 from ranks import held_stages, needs_cuda, rank_device, run_ranks
 
 import pipecomm
-from pipecomm.schedule import forward_schedule
+from pipecomm.schedules.schedule import forward_schedule
 
 HIDDEN = 16
 BATCH = 8

@@ -10,16 +10,10 @@ import numpy as np
 import pytest
 
 import pipecomm
-from pipecomm import fast_simulation, jit, list_scheduling, local_search
-from pipecomm.schedule import (
-    SCHEDULES,
-    looped_placement,
-    make_schedule,
-    peak_memory,
-    simulate,
-    v_placement,
-    validate,
-)
+from pipecomm.schedules import fast_simulation, jit, list_scheduling, local_search
+from pipecomm.schedules.schedule import SCHEDULES, looped_placement, make_schedule, v_placement
+from pipecomm.schedules.simulation import peak_memory, simulate
+from pipecomm.schedules.validation import validate
 
 MEASURED = {"F": 2.95, "I": 4.85, "W": 2.25}  # issue 18: one stage of the compute-bound GPT config, 2x H200 (ms)
 
@@ -59,8 +53,8 @@ def test_the_numba_simulator_reports_a_deadlock():
     # Rank 0 waits for its first gradient before it sends the activation that rank 1 waits for.
     schedule = make_schedule("1f1b", 2, 2)
     program = list(schedule.actions[0])
-    program.insert(0, program.pop(program.index(pipecomm.schedule.Action("RECV_B", 0, 0))))
-    broken = pipecomm.schedule.Schedule("broken", 2, 2, 2, (tuple(program), schedule.actions[1]))
+    program.insert(0, program.pop(program.index(pipecomm.schedules.schedule.Action("RECV_B", 0, 0))))
+    broken = pipecomm.schedules.schedule.Schedule("broken", 2, 2, 2, (tuple(program), schedule.actions[1]))
     with pytest.raises(ValueError, match="deadlock: rank 0 waits forever"):
         fast_simulation.step_and_busy_times(broken)
 

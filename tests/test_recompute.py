@@ -13,11 +13,11 @@ from models import HIDDEN, Block
 from ranks import held_stages, run_ranks
 
 import pipecomm
-from pipecomm import stage_runner
-from pipecomm.gradient_sink import GradientSink
-from pipecomm.recompute import checkpoint_stages
-from pipecomm.schedule import SCHEDULES
-from pipecomm.split_backward import WeightGradStore, check_reported, defer_linear_weight_grads
+from pipecomm.runtime import stage_runner
+from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.recompute import checkpoint_stages
+from pipecomm.schedules.schedule import SCHEDULES
+from pipecomm.runtime.split_backward import WeightGradStore, check_reported, defer_linear_weight_grads
 
 BATCH = 8
 SEQ = 3

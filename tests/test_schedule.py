@@ -1,4 +1,4 @@
-"""Tests for pipecomm.schedule: hand-derived action orders, exact bubble formulas, the validator and the simulator."""
+"""Tests for pipecomm.schedules.schedule: hand-derived action orders, exact bubble formulas, the validator and the simulator."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import re
 
 import pytest
 
-from pipecomm.schedule import (SCHEDULES, Action, Schedule, forward_schedule, make_schedule, simulate, validate,
-                               with_communication)
+from pipecomm.schedules.schedule import Action, SCHEDULES, Schedule, forward_schedule, make_schedule, with_communication
+from pipecomm.schedules.simulation import simulate
+from pipecomm.schedules.validation import validate
 
 ZB_COSTS = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}  # the paper's T_F = T_B = T_W, with 1F1B's B = I + W
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import pipecomm
-from pipecomm.gradient_sink import GradientSink
-from pipecomm.split_backward import WeightGradStore, defer_linear_weight_grads
+from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.split_backward import WeightGradStore, defer_linear_weight_grads
 
 
 class Stage(nn.Module):

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipecomm.failure import Collective
-from pipecomm.grad_sync import DataParallelGrads, SharedParameters, local_shard, stage_norm
-from pipecomm.gradient_sink import GradientSink
-from pipecomm.pipeline_collectives import PipelineCollectives
-from pipecomm.sharded_stages import ShardedStages
+from pipecomm.runtime.failure import Collective
+from pipecomm.parallel.grad_sync import DataParallelGrads, SharedParameters, local_shard, stage_norm
+from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.collectives import PipelineCollectives
+from pipecomm.parallel.sharded_stages import ShardedStages
 
 __all__: list[str] = []
 

@@ -6,9 +6,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipecomm.jit import compiled
-from pipecomm.list_scheduling import PASS_KINDS
-from pipecomm.schedule import Action, Schedule, validate, with_communication
+from pipecomm.schedules.jit import compiled
+from pipecomm.schedules.list_scheduling import PASS_KINDS
+from pipecomm.schedules.schedule import Action, Schedule, with_communication
+from pipecomm.schedules.validation import validate
 
 __all__ = ["search_order"]
 

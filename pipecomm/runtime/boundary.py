@@ -11,7 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
-from pipecomm.parallel import named_mesh
+from pipecomm.parallel.mesh import named_mesh
 
 __all__: list[str] = []
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import statistics
 
-from pipecomm.schedule import Schedule, looped_placement, make_schedule, v_placement
+from pipecomm.schedules.schedule import Schedule, looped_placement, make_schedule, v_placement
 
 __all__ = ["starting_schedule"]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from pipecomm.capture import CapturedStage
-from pipecomm.compiled_modules import replaying_inductor_graphs
-from pipecomm.partition import StageModule
-from pipecomm.schedule import SCHEDULES, Schedule, looped_placement
+from pipecomm.splitting.capture import CapturedStage
+from pipecomm.runtime.compiled_modules import replaying_inductor_graphs
+from pipecomm.splitting.partition import StageModule
+from pipecomm.schedules.schedule import SCHEDULES, Schedule, looped_placement
 
 __all__: list[str] = []
 

@@ -5,19 +5,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 
-from pipecomm.fast_simulation import step_and_busy_times
-from pipecomm.list_scheduling import PASS_KINDS, build_orders, v_first_stage_lead
-from pipecomm.local_search import search_order
-from pipecomm.schedule import (
+from pipecomm.schedules.fast_simulation import step_and_busy_times
+from pipecomm.schedules.list_scheduling import PASS_KINDS, build_orders, v_first_stage_lead
+from pipecomm.schedules.local_search import search_order
+from pipecomm.schedules.schedule import (
     Action,
     Schedule,
     looped_placement,
     make_schedule,
-    peak_memory,
     v_placement,
-    validate,
     with_communication,
 )
+from pipecomm.schedules.simulation import peak_memory
+from pipecomm.schedules.validation import validate
 
 __all__ = ["plan_schedule"]
 

@@ -8,9 +8,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from pipecomm import boundary, transport
-from pipecomm.parallel import global_rank
-from pipecomm.schedule import Schedule
+from pipecomm import transport
+from pipecomm.runtime import boundary
+from pipecomm.parallel.mesh import global_rank
+from pipecomm.schedules.schedule import Schedule
 from pipecomm.transport.loopback import LoopbackChannel
 
 __all__: list[str] = []

@@ -1,43 +1,32 @@
-"""Pipeline schedules as pure data: per-rank action lists, their generators, a validator and a simulator."""
+"""Pipeline schedules as pure data: the actions of each rank, the named schedules that generate them, and the
+structural checks every schedule passes (``validation`` adds channel order and deadlock, ``simulation`` timing)."""
 
 from __future__ import annotations
 
-import collections
-import heapq
-import itertools
-import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from pipecomm.list_scheduling import build_orders, v_first_stage_lead
+from pipecomm.schedules.list_scheduling import build_orders, v_first_stage_lead
 
 __all__ = [
     "COMMUNICATION_KINDS",
     "COMPUTE_KINDS",
-    "DEFAULT_COSTS",
     "SCHEDULES",
     "Action",
     "Schedule",
     "forward_schedule",
-    "SimulationResult",
     "make_schedule",
-    "peak_memory",
-    "simulate",
-    "validate",
 ]
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMMUNICATION_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-_FORWARD_KINDS = ("F", "SEND_F", "RECV_F")
+FORWARD_KINDS = ("F", "SEND_F", "RECV_F")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
-DEFAULT_COSTS: Mapping[str, float] = types.MappingProxyType(
-    {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0, "SEND_F": 0.0, "RECV_F": 0.0, "SEND_B": 0.0, "RECV_B": 0.0}
-)
 
 # Schedules that run a steady state need every rank to have finished its warm-up before the first
 # backward reaches it (MindFormers' micro_batch_num >= stages).
 _NEEDS_MICRO_BATCHES_PER_RANK = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
-# Built by list scheduling (pipecomm.list_scheduling) at unit costs: (placement, peak activations in 1f1b's units).
+# Built by list scheduling (pipecomm.schedules.list_scheduling) at unit costs: (placement, peak activations in 1f1b's units).
 _LIST_SCHEDULED = {
     "zb-h2": (lambda num_ranks: looped_placement(num_ranks, num_ranks), 2.0),
     "zb-v": (lambda num_ranks: v_placement(num_ranks), 1.0),
@@ -118,21 +107,6 @@ def v_placement(num_ranks: int) -> tuple[int, ...]:
     return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
 
 
-@dataclass(frozen=True)
-class SimulationResult:
-    """Timing of one training step. Only compute (F, B, I, W) counts as busy; waiting and transfers are bubble."""
-
-    step_time: float
-    bubble_fraction: float  # 1 - total compute time / (num_ranks * step_time)
-    busy_time: tuple[float, ...]  # per rank
-    # Per rank, the most (stage, micro-batch) pairs whose F has run and whose B (or W) has not.
-    peak_activations: tuple[int, ...]
-    # The same in units of one rank's share of the model (a 1f1b stage's activations of one micro-batch): a
-    # pair counts 1/v on a schedule with v stages per rank. 1f1b's rank 0 peaks at num_ranks.
-    peak_memory: tuple[float, ...]
-    timeline: tuple[tuple[tuple[float, float, Action], ...], ...]  # per rank: (start, end, action) of compute
-
-
 def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages: int | None = None, *,
                   costs: Mapping[str, float] | None = None) -> Schedule:
     """Builds the named schedule with its communication actions placed.
@@ -145,7 +119,7 @@ def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages:
     twice 1F1B's activations, so that rank r's warm-up covers the wait for its first gradient.
     "zb-v": ZB-V, two stages per rank placed in a V (rank r holds stages r and 2 * num_ranks - 1 - r;
     ``Schedule.stages_of`` tells), at 1F1B's peak activation memory. zb-h2 and zb-v are built by
-    list scheduling (``pipecomm.list_scheduling``) for ``costs`` (F, I and W of one rank's share, as
+    list scheduling (``pipecomm.schedules.list_scheduling``) for ``costs`` (F, I and W of one rank's share, as
     ``simulate`` takes them; default F = I = W): an order built for equal costs can lose much of its
     gain where I costs more than F, so give measured costs where they are known. Where the V's greedy order would
     fill a rank's memory with its first stage's forwards and wait forever, that stage is held back.
@@ -215,71 +189,6 @@ def forward_schedule(num_ranks: int, micro_batches: int, placement: tuple[int, .
         orders[placement[stage]].append(Action("F", stage, micro_batch))
     actions = tuple(with_communication(order, num_stages) for order in orders)
     return Schedule("forward", num_ranks, num_stages, micro_batches, actions, tuple(placement), forward_only=True)
-
-
-def validate(schedule: Schedule, buffer_slots: int = 4) -> None:
-    """Raises ValueError naming the first defect: a missing, duplicated or misplaced action, an
-    unmatched transfer, a rank that runs an action before one it depends on, a receive out of its
-    channel's order, or a deadlock.
-
-    The deadlock check runs all ranks together: a RECV blocks until its SEND has run on the peer,
-    and a SEND blocks while its channel already holds ``buffer_slots`` messages that have not been
-    received. As the runtime opens them, a pair of ranks has an activation and a gradient channel,
-    each in order and with its own slots each way; a rank's messages to itself never block.
-    """
-    if buffer_slots < 1:
-        raise ValueError(f"validate: buffer_slots must be >= 1, got {buffer_slots}")
-    _check_structure(schedule)
-    _check_channel_order(schedule)
-    _execute(schedule, lambda action: 0.0, 0.0, buffer_slots)
-
-
-def simulate(
-    schedule: Schedule,
-    costs: Mapping[str, float] | Callable[[Action], float] | None = None,
-    comm_time: float = 0.0,
-    *,
-    buffer_slots: int | None = None,
-) -> SimulationResult:
-    """Runs the schedule event by event, with the blocking rules of ``validate``.
-
-    ``costs`` maps an action kind to its duration (kinds left out keep ``DEFAULT_COSTS``: F=1, B=2,
-    I=1, W=1, transfers 0) or is a function of the whole action, called for transfers too. A compute
-    cost is that of one rank's share of the model (what a 1f1b stage computes): on a schedule with v
-    stages per rank each pass takes 1/v of it, so that every schedule of one model compares. A message
-    can be received ``comm_time`` after its SEND completes. ``buffer_slots=None`` never blocks a SEND.
-    Raises ValueError for a malformed schedule and for a deadlock, as ``validate`` does.
-    """
-    if comm_time < 0:
-        raise ValueError(f"simulate: comm_time must be >= 0, got {comm_time}")
-    if buffer_slots is not None and buffer_slots < 1:
-        raise ValueError(f"simulate: buffer_slots must be >= 1 or None, got {buffer_slots}")
-    _check_structure(schedule)
-    duration = _duration_function(costs)
-    share = 1.0 / schedule.stages_per_rank
-
-    def scaled(action: Action) -> float:
-        return duration(action) * share if action.is_compute else duration(action)
-
-    timeline, finish_times = _execute(schedule, scaled, comm_time, buffer_slots)
-    step_time = max(finish_times)
-    busy_time = tuple(sum(end - start for start, end, _ in rank_timeline) for rank_timeline in timeline)
-    # A schedule of zero-cost actions takes no time and so wastes none.
-    bubble_fraction = 1.0 - sum(busy_time) / (schedule.num_ranks * step_time) if step_time > 0 else 0.0
-    peaks = tuple(_peak_activations(program) for program in schedule.actions)
-    return SimulationResult(
-        step_time=step_time,
-        bubble_fraction=bubble_fraction,
-        busy_time=busy_time,
-        peak_activations=peaks,
-        peak_memory=peak_memory(schedule),
-        timeline=tuple(tuple(rank_timeline) for rank_timeline in timeline),
-    )
-
-
-def peak_memory(schedule: Schedule) -> tuple[float, ...]:
-    """Per rank, the most activations held at once, in units of one rank's share of the model (1f1b's rank 0: num_ranks)."""
-    return tuple(_peak_activations(program) / schedule.stages_per_rank for program in schedule.actions)
 
 
 def _check_schedule_arguments(name: str, num_ranks: int, micro_batches: int, virtual_stages: int) -> None:
@@ -407,7 +316,7 @@ def with_communication(compute_order: list[Action], num_stages: int) -> tuple[Ac
     return tuple(actions)
 
 
-def _counterpart(transfer: Action) -> Action:
+def counterpart(transfer: Action) -> Action:
     """The other end of a transfer: the RECV that a SEND feeds, or the SEND that a RECV waits for."""
     stage, micro_batch = transfer.stage, transfer.micro_batch
     if transfer.kind == "SEND_F":
@@ -419,7 +328,7 @@ def _counterpart(transfer: Action) -> Action:
     return Action("SEND_B", stage + 1, micro_batch)
 
 
-def _check_structure(schedule: Schedule) -> None:
+def check_structure(schedule: Schedule) -> None:
     if schedule.num_ranks < 1 or len(schedule.actions) != schedule.num_ranks:
         raise ValueError(f"schedule has {len(schedule.actions)} action lists for num_ranks={schedule.num_ranks}")
     # Every action once, where it belongs: (rank, index in that rank's list).
@@ -430,7 +339,7 @@ def _check_structure(schedule: Schedule) -> None:
                 raise ValueError(f"{action} on rank {rank}: stage outside [0, {schedule.num_stages})")
             if not 0 <= action.micro_batch < schedule.micro_batches:
                 raise ValueError(f"{action} on rank {rank}: micro-batch outside [0, {schedule.micro_batches})")
-            if schedule.forward_only and action.kind not in _FORWARD_KINDS:
+            if schedule.forward_only and action.kind not in FORWARD_KINDS:
                 raise ValueError(f"{action} on rank {rank}: a forward-only schedule has no backward passes or "
                                  "gradient transfers")
             if schedule.stage_rank(action.stage) != rank:
@@ -458,7 +367,7 @@ def _check_structure(schedule: Schedule) -> None:
                 compute = Action(compute_kind, stage, micro_batch)
                 transfer = Action(transfer_kind, stage, micro_batch)
                 if needed and transfer not in positions:
-                    peer = _counterpart(transfer)
+                    peer = counterpart(transfer)
                     purpose = "to receive" if transfer_kind.startswith("RECV") else "to feed"
                     raise ValueError(
                         f"{compute} on rank {positions[compute][0]} has no {transfer} {purpose} {peer} "
@@ -470,7 +379,7 @@ def _check_structure(schedule: Schedule) -> None:
     for action, (rank, _) in positions.items():
         if action.is_compute:
             continue
-        peer_stage = _counterpart(action).stage
+        peer_stage = counterpart(action).stage
         if not 0 <= peer_stage <= last_stage:
             raise ValueError(f"{action} on rank {rank}: stage {action.stage} has no neighbour stage {peer_stage}")
 
@@ -518,145 +427,10 @@ def _local_prerequisites(action: Action) -> tuple[Action, ...]:
     return tuple(Action(kind, stage, micro_batch) for kind in kinds)
 
 
-def _duration_function(costs: Mapping[str, float] | Callable[[Action], float] | None) -> Callable[[Action], float]:
-    if callable(costs):
-        return costs
-    table = dict(DEFAULT_COSTS)
-    if costs is not None:
-        unknown = sorted(set(costs) - set(table))
-        if unknown:
-            known = ", ".join(table)
-            raise ValueError(f"simulate: unknown action kinds in costs: {', '.join(unknown)}; known: {known}")
-        table.update(costs)
-    return lambda action: table[action.kind]
+CHANNEL_NAMES = {"act": "activation", "grad": "gradient"}
 
 
-def _execute(
-    schedule: Schedule,
-    duration: Callable[[Action], float],
-    comm_time: float,
-    buffer_slots: int | None,
-) -> tuple[list[list[tuple[float, float, Action]]], list[float]]:
-    """Runs every rank's list in order, in global time order; returns the compute timeline and each rank's finish.
-
-    A message occupies a slot of its channel from the start of its SEND until its RECV completes.
-    """
-    programs = schedule.actions
-    num_ranks = schedule.num_ranks
-
-    def peer_rank(transfer: Action) -> int:
-        return schedule.stage_rank(_counterpart(transfer).stage)
-
-    next_index = [0] * num_ranks
-    running: list[Action | None] = [None] * num_ranks
-    finish_times = [0.0] * num_ranks
-    timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(num_ranks)]
-    deliveries: dict[Action, float] = {}  # SEND -> when its message can be received
-    # (source, target, "act" or "grad"): the runtime opens an activation and a gradient channel per pair of ranks.
-    messages_in_channel: collections.Counter[tuple[int, int, str]] = collections.Counter()
-    blocked_senders: dict[tuple[int, int, str], int] = {}  # channel -> the rank waiting for a free slot
-    blocked_receivers: dict[Action, int] = {}  # SEND not yet run -> the rank waiting for its message
-
-    # Ties in time go to the earlier-scheduled event, so runs are deterministic.
-    tie_breaker = itertools.count()
-    events = [(0.0, next(tie_breaker), rank) for rank in range(num_ranks)]
-
-    def wake(rank: int, time: float) -> None:
-        heapq.heappush(events, (time, next(tie_breaker), rank))
-
-    while events:
-        now, _, rank = heapq.heappop(events)
-        completed, running[rank] = running[rank], None
-        if completed is not None:
-            finish_times[rank] = now
-            if completed.kind.startswith("RECV"):
-                channel = (peer_rank(completed), rank, _channel_kind(completed))
-                messages_in_channel[channel] -= 1
-                if channel in blocked_senders:
-                    wake(blocked_senders.pop(channel), now)
-        if next_index[rank] == len(programs[rank]):
-            continue
-        action = programs[rank][next_index[rank]]
-        cost = duration(action)
-        if cost < 0:
-            raise ValueError(f"simulate: the cost of {action} is negative: {cost}")
-        if action.kind.startswith("SEND"):
-            channel = (rank, peer_rank(action), _channel_kind(action))
-            # A rank's messages to itself (adjacent stages it holds) wait in an unbounded loopback queue.
-            if buffer_slots is not None and channel[1] != rank and messages_in_channel[channel] >= buffer_slots:
-                blocked_senders[channel] = rank
-                continue
-            messages_in_channel[channel] += 1
-            deliveries[action] = now + cost + comm_time
-            if action in blocked_receivers:
-                wake(blocked_receivers.pop(action), now)
-            end = now + cost
-        elif action.kind.startswith("RECV"):
-            send = _counterpart(action)
-            if send not in deliveries:
-                blocked_receivers[send] = rank
-                continue
-            end = max(now, deliveries[send]) + cost
-        else:
-            end = now + cost
-            timeline[rank].append((now, end, action))
-        next_index[rank] += 1
-        running[rank] = action
-        wake(rank, end)
-
-    stuck = [rank for rank in range(num_ranks) if next_index[rank] < len(programs[rank])]
-    if stuck:
-        waits = []
-        for rank in stuck:
-            action = programs[rank][next_index[rank]]
-            if action.kind.startswith("RECV"):
-                waits.append(f"rank {rank} waits at {action} for {_counterpart(action)} from rank {peer_rank(action)}")
-            else:
-                kind = _channel_kind(action)
-                held = messages_in_channel[(rank, peer_rank(action), kind)]
-                waits.append(
-                    f"rank {rank} waits at {action}: its {_CHANNEL_NAMES[kind]} channel to rank {peer_rank(action)} "
-                    f"holds {held} unreceived message(s)"
-                )
-        raise ValueError("deadlock: " + ", ".join(waits))
-    return timeline, finish_times
-
-
-_CHANNEL_NAMES = {"act": "activation", "grad": "gradient"}
-
-
-def _channel_kind(transfer: Action) -> str:
+def channel_kind(transfer: Action) -> str:
     return "act" if transfer.kind in ("SEND_F", "RECV_F") else "grad"
 
 
-def _check_channel_order(schedule: Schedule) -> None:
-    """Each channel delivers in order: a rank must receive from each of its channels in the order the peer sends."""
-    sent: dict[tuple[int, int, str], list[Action]] = collections.defaultdict(list)
-    received: dict[tuple[int, int, str], list[Action]] = collections.defaultdict(list)
-    for rank, program in enumerate(schedule.actions):
-        for action in program:
-            if action.kind.startswith("SEND"):
-                sent[(rank, schedule.stage_rank(_counterpart(action).stage), _channel_kind(action))].append(action)
-            elif action.kind.startswith("RECV"):
-                send = _counterpart(action)
-                received[(schedule.stage_rank(send.stage), rank, _channel_kind(action))].append(send)
-    for (source, target, kind), order in sent.items():
-        if received[(source, target, kind)] != order:
-            got = next(i for i, (a, b) in enumerate(zip(order, received[(source, target, kind)])) if a != b)
-            raise ValueError(
-                f"rank {target} receives from its {_CHANNEL_NAMES[kind]} channel with rank {source} out of the order "
-                f"rank {source} sends: message {got} is {order[got]}, but rank {target} first receives "
-                f"{_counterpart(received[(source, target, kind)][got])}"
-            )
-
-
-def _peak_activations(program: tuple[Action, ...]) -> int:
-    # An activation is held from its F until the pass that last reads it: B, or W when B is split.
-    live = peak = 0
-    for action in program:
-        if action.kind == "F":
-            live += 1
-            peak = max(peak, live)
-        elif action.kind in ("B", "W"):
-            live -= 1
-    return peak

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
-from pipecomm import boundary
+from pipecomm.runtime import boundary
 
 __all__ = ["Batch", "batch_size", "join", "split"]
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pipecomm import boundary
-from pipecomm.schedule import Schedule
-from pipecomm.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported, weight_grad
+from pipecomm.runtime import boundary
+from pipecomm.schedules.schedule import Schedule
+from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported, weight_grad
 
 __all__: list[str] = []
 

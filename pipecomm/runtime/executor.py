@@ -9,13 +9,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pipecomm import boundary
-from pipecomm.cuda_graphs import GraphedStage, in_flight_slots
-from pipecomm.device_timing import DeviceTimeline
-from pipecomm.gradient_sink import GradientSink
-from pipecomm.schedule import Action, Schedule
-from pipecomm.split_backward import WeightGradStore
-from pipecomm.stage_runner import EagerStage, GraphedRunner
+from pipecomm.runtime import boundary
+from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots
+from pipecomm.runtime.device_timing import DeviceTimeline
+from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.schedules.schedule import Action, Schedule
+from pipecomm.runtime.split_backward import WeightGradStore
+from pipecomm.runtime.stage_runner import EagerStage, GraphedRunner
 from pipecomm.transport.channel import Channel, ChannelError
 
 __all__: list[str] = []

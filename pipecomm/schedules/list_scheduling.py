@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from pipecomm.jit import compiled
+from pipecomm.schedules.jit import compiled
 
 __all__: list[str] = []
 

@@ -7,8 +7,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pipecomm.jit import compiled
-from pipecomm.schedule import COMMUNICATION_KINDS, COMPUTE_KINDS, DEFAULT_COSTS, Schedule
+from pipecomm.schedules.jit import compiled
+from pipecomm.schedules.schedule import COMMUNICATION_KINDS, COMPUTE_KINDS, Schedule
+from pipecomm.schedules.simulation import DEFAULT_COSTS
 
 __all__ = ["Encoded", "encode", "kind_costs", "step_and_busy_times"]
 

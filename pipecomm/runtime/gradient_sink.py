@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipecomm._ops import accumulate_
-from pipecomm.split_backward import DeferredGrad, weight_grad
+from pipecomm.runtime.split_backward import DeferredGrad, weight_grad
 
 __all__: list[str] = []
 

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pipecomm.gradient_sink import GradientSink
-from pipecomm.failure import Collective
+from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.failure import Collective
 
 __all__: list[str] = []
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pipecomm import _C, boundary
-from pipecomm.fail_fast import CallProtocol
-from pipecomm.failure import Collective
-from pipecomm.parallel import global_rank, uses_nccl
+from pipecomm import _C
+from pipecomm.runtime import boundary
+from pipecomm.runtime.fail_fast import CallProtocol
+from pipecomm.runtime.failure import Collective
+from pipecomm.parallel.mesh import global_rank, uses_nccl
 from pipecomm.transport.lifetime import keep_forever
 
 __all__: list[str] = []

@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from pipecomm.failure import Collective, FailureNotes, PeerFailedError, describe
+from pipecomm.runtime.failure import Collective, FailureNotes, PeerFailedError, describe
 from pipecomm.transport.channel import ChannelError
 
 __all__: list[str] = []

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pipecomm import boundary
-from pipecomm.cuda_graphs import GraphedStage
-from pipecomm.gradient_sink import GradientSink
-from pipecomm.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported
+from pipecomm.runtime import boundary
+from pipecomm.runtime.cuda_graphs import GraphedStage
+from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported
 
 __all__: list[str] = []
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pipecomm.executor import StageExecutor
+from pipecomm.runtime.executor import StageExecutor
 
 __all__: list[str] = []
 

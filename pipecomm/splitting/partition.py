@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipecomm.capture import capture_split
-from pipecomm.parallel import uses_nccl
+from pipecomm.splitting.capture import capture_split
+from pipecomm.parallel.mesh import uses_nccl
 
 __all__ = ["BALANCE_MODES", "StageModule", "merge_checkpoints", "split"]
 
@@ -106,7 +106,7 @@ def split(
     **A model with its own forward** (anything but an ``nn.Sequential`` chain, e.g. a Hugging Face
     model) is cut by capturing that forward with torch.export on one micro-batch,
     ``model(*example_inputs, **example_kwargs)``, and cutting the captured graph where the
-    ``pipeline_stage`` annotations say (``pipecomm.capture``). Annotations may sit on modules at any
+    ``pipeline_stage`` annotations say (``pipecomm.splitting.capture``). Annotations may sit on modules at any
     depth (``model.transformer.h[3].pipeline_stage = 1``); a module takes its own annotation or its
     nearest annotated ancestor's; functional code outside annotated modules goes where the data flow
     puts it, and every value crossing a cut is sent, skips over several stages included. A module

@@ -1,0 +1,1 @@
+"""Data and tensor parallelism around the pipeline: the device mesh, gradient reductions over replicas, FSDP stages."""
