@@ -9,7 +9,8 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from pipecomm.schedules.schedule import CHANNEL_NAMES, Action, Schedule, channel_kind, check_structure, counterpart
+from pipecomm.schedules.schedule import CHANNEL_NAMES, Action, Schedule, channel_kind, counterpart
+from pipecomm.schedules.structure import check_structure
 
 __all__ = ["DEFAULT_COSTS", "SimulationResult", "peak_memory", "simulate"]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import collections
 
-from pipecomm.schedules.schedule import CHANNEL_NAMES, Action, Schedule, channel_kind, check_structure, counterpart
+from pipecomm.schedules.schedule import CHANNEL_NAMES, Action, Schedule, channel_kind, counterpart
+from pipecomm.schedules.structure import check_structure
 from pipecomm.schedules.simulation import execute
 
 __all__ = ["validate"]
