@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pipecomm  # noqa: E402
+from pipecomm.runtime import step_trace  # noqa: E402
 from _common import environment, print_environment, write_json  # noqa: E402
 from e2e import build_chunk, config_named, loss_fn, make_batch  # noqa: E402
 from schedules import table  # noqa: E402
@@ -37,7 +38,7 @@ def stage_costs(config_name: str, device: torch.device, dtype: torch.dtype, step
         module.zero_grad(set_to_none=True)
         if step < 2:
             continue
-        for start, end, action in pipe._executor.compute_spans():
+        for start, end, action in step_trace.compute_spans(pipe._executor):
             durations[action.kind].append((end - start) * 1e3)
     pipe.close()
     return {kind: statistics.median(times) for kind, times in durations.items()}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -27,14 +26,14 @@ from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.parallel.grad_sync import SharedParameters
 from pipecomm.runtime.links import NeighbourLinks
 from pipecomm.parallel.mesh import global_rank
-from pipecomm.runtime.checks import check_configuration, check_schedule, module_device
+from pipecomm.runtime.checks import check_configuration, check_options, check_schedule, module_device
 from pipecomm.runtime.collectives import PipelineCollectives
 from pipecomm.schedules.planner import plan_schedule
 from pipecomm.runtime.recompute import checkpoint_stages
 from pipecomm.schedules.schedule import Schedule, forward_schedule, make_schedule
 from pipecomm.schedules.validation import validate
 from pipecomm.parallel.sharded_stages import ShardedStages
-from pipecomm.runtime.split_backward import WeightGradStore, defer_linear_weight_grads
+from pipecomm.runtime.split_backward import WeightGradStore, defer_linear_weight_grads, warn_if_nothing_deferred
 
 __all__ = ["Pipeline"]
 
@@ -130,10 +129,6 @@ class Pipeline:
         with self.calls.failing("building the Pipeline"):
             check_configuration(modules, stages, num_stages, self.num_ranks, schedule)
             self._costs = CostMeter() if schedule == "auto" else None  # until "auto" has planned
-            if self._costs is not None and cuda_graphs:
-                raise ValueError('Pipeline: schedule="auto" changes the schedule after its measured steps, and with '
-                                 "it how many micro-batches each stage holds, which cuda_graphs=True fixes at the first "
-                                 "step; plan first (pipecomm.plan_schedule) and pass the Schedule")
             if isinstance(schedule, Schedule):
                 self.schedule: Schedule = schedule
             elif self._costs is not None:
@@ -146,15 +141,9 @@ class Pipeline:
             self.micro_batches = micro_batches
             self.modules = dict(zip(stages, modules))
             self.device = torch.device(device) if device is not None else module_device(modules)
-            for flag, value in (("cuda_graphs", cuda_graphs), ("device_timing", device_timing)):
-                if value and self.device.type != "cuda":
-                    raise ValueError(f"Pipeline: {flag}=True needs stages on a CUDA device, not {self.device}")
-            sharded = ShardedStages(self.modules)
-            if sharded and (cuda_graphs or main_grad):
-                raise ValueError("Pipeline: stages sharded with fully_shard take neither cuda_graphs=True nor "
-                                 "main_grad=True (FSDP's MixedPrecisionPolicy(reduce_dtype=torch.float32) keeps fp32 "
-                                 "gradients)")
-            self._sharded = sharded
+            sharded = self._sharded = ShardedStages(self.modules)
+            check_options(self.device, auto=self._costs is not None, sharded=bool(sharded), cuda_graphs=cuda_graphs,
+                          device_timing=device_timing, main_grad=main_grad)
             self._sinks = {s: GradientSink(list(self.modules[s].parameters()), main_grad,
                                            live=self.modules[s] if sharded.holds(s) else None)
                            for s in self.stages}
@@ -162,7 +151,7 @@ class Pipeline:
             store = WeightGradStore() if splits_backward else None
             self._executor = StageExecutor(
                 self.schedule, self.rank, self.modules, self._sinks, self._links.channels, loss_fn,
-                on_stage_backward_done=self._stage_gradients_final,
+                on_stage_backward_done=lambda stage: self._gradients.stage_done(stage),
                 weight_grad_store=store, cuda_graphs=cuda_graphs,
                 device_timeline=(DeviceTimeline(self.device)
                                  if device_timing or (self._costs is not None and self.device.type == "cuda") else None),
@@ -209,8 +198,11 @@ class Pipeline:
                 target_batch = microbatch.batch_size(targets, "target")
                 split_targets = microbatch.split(targets, self.micro_batches, "target", self.device)
             loss = self._executor.run(split_inputs, split_targets, batch, target_batch)
-            self._check_deferral()
-            if self._costs is not None and self._costs.add_step(self._executor):
+            if not self._deferral_checked and self._executor.weight_grad_store:  # after the first step only
+                self._deferral_checked = True
+                warn_if_nothing_deferred(self._executor.weight_grad_store, f"Pipeline rank {self.rank}",
+                                         self.schedule.name, self.stages)
+            if self._costs is not None and self._costs.add_step(lambda: step_trace.compute_spans(self._executor)):
                 self._switch_to_plan()
             self._gradients.finish_step()
             if self.num_ranks == 1:
@@ -305,23 +297,6 @@ class Pipeline:
         self._links.close()
 
     # -- internals -----------------------------------------------------------------------------
-
-    def _stage_gradients_final(self, stage: int) -> None:
-        self._gradients.stage_done(stage)
-
-    def _check_deferral(self) -> None:
-        """After the first step of a zero-bubble schedule: a warning if no Linear deferred its weight gradient."""
-        store = self._executor.weight_grad_store
-        if store is None or self._deferral_checked:
-            return
-        self._deferral_checked = True
-        if store.deferrals_made == 0:
-            warnings.warn(
-                f"Pipeline rank {self.rank}: schedule {self.schedule.name!r} split the backward, but no nn.Linear of "
-                f"stages {self.stages} deferred its weight gradient to W in the first step: they run inside "
-                "torch.compile'd regions (whose backward computes every gradient in one graph), are frozen, or are "
-                "subclasses with a forward of their own. Training is exact, but the W passes have nothing to fill "
-                "the bubbles with; 1f1b gives the same for less bookkeeping", stacklevel=3)
 
     def _switch_to_plan(self) -> None:
         """schedule="auto", after the measured steps: the slowest rank's F, I and W (a max over the pipeline, so that

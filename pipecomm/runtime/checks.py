@@ -46,6 +46,22 @@ def check_configuration(modules, stages, num_stages, num_ranks, schedule) -> Non
                              "cuda_graphs=True to the Pipeline for graphs that hold each micro-batch apart")
 
 
+def check_options(device: torch.device, *, auto: bool, sharded: bool, cuda_graphs: bool, device_timing: bool,
+                  main_grad: bool) -> None:
+    """Options that do not go together, or not with the stages' device."""
+    if auto and cuda_graphs:
+        raise ValueError('Pipeline: schedule="auto" changes the schedule after its measured steps, and with '
+                         "it how many micro-batches each stage holds, which cuda_graphs=True fixes at the first "
+                         "step; plan first (pipecomm.plan_schedule) and pass the Schedule")
+    for flag, value in (("cuda_graphs", cuda_graphs), ("device_timing", device_timing)):
+        if value and device.type != "cuda":
+            raise ValueError(f"Pipeline: {flag}=True needs stages on a CUDA device, not {device}")
+    if sharded and (cuda_graphs or main_grad):
+        raise ValueError("Pipeline: stages sharded with fully_shard take neither cuda_graphs=True nor "
+                         "main_grad=True (FSDP's MixedPrecisionPolicy(reduce_dtype=torch.float32) keeps fp32 "
+                         "gradients)")
+
+
 def check_schedule(schedule: Schedule, stages, rank: int, micro_batches: int) -> None:
     """A schedule given as a Schedule must fit this Pipeline, and every schedule the stages this rank got."""
     if schedule.micro_batches != micro_batches or schedule.num_stages != len(stages) * schedule.num_ranks:

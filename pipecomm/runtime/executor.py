@@ -13,6 +13,7 @@ from pipecomm.runtime import boundary
 from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.microbatch import check_received_batch, check_target_batch
 from pipecomm.schedules.schedule import Action, Schedule
 from pipecomm.runtime.split_backward import WeightGradStore
 from pipecomm.runtime.stage_runner import EagerStage, GraphedRunner
@@ -57,6 +58,11 @@ class StageExecutor:
             else:
                 self.stages[stage] = EagerStage(module, sinks[stage], stage, loss, store, rank)
         self.timeline: list[tuple[float, float, Action]] = []
+        self._handlers = {
+            "F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight,
+            "SEND_F": self._send_forward, "RECV_F": self._recv_forward,
+            "SEND_B": self._send_backward, "RECV_B": self._recv_backward,
+        }
 
     def switch_schedule(self, schedule: Schedule, device_timing: bool) -> None:
         """From the next step on, ``schedule`` (on the same placement); without I passes for this rank it needs no
@@ -81,13 +87,9 @@ class StageExecutor:
         if self.weight_grad_store:
             self.weight_grad_store.new_step()
         if self.last_stage in self.stages:
-            self._check_target_batch(batch_size)  # a one-rank pipeline's own batch; the others' arrives with it
+            check_target_batch(batch_size, target_batch)  # a one-rank pipeline's own batch; the others' arrives with it
         self.timeline = []
-        handlers = {
-            "F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight,
-            "SEND_F": self._send_forward, "RECV_F": self._recv_forward,
-            "SEND_B": self._send_backward, "RECV_B": self._recv_backward,
-        }
+        handlers = self._handlers
         device = self.device_timeline
         if device:
             device.start_step()
@@ -137,14 +139,6 @@ class StageExecutor:
         self._loss: torch.Tensor | None = None
         self._backwards_done: dict[int, int] = dict.fromkeys(self.stages, 0)
 
-    def compute_spans(self) -> list[tuple[float, float, Action]]:
-        """(start, end, action) of the last step's compute actions: CUDA-event times (seconds from the step's start)
-        with a device timeline, else the host clock."""
-        if self.device_timeline:
-            compute = [action for _, _, action in self.timeline if action.is_compute]
-            return [(start, end, action) for (start, end), action in zip(self.device_timeline.spans(), compute)]
-        return [entry for entry in self.timeline if entry[2].is_compute]
-
     # -- compute -------------------------------------------------------------------------------
 
     def _scaled_loss(self, output, *targets) -> torch.Tensor:
@@ -158,7 +152,9 @@ class StageExecutor:
             return *self._inputs[micro_batch], []
         held = self.stages[stage].record(micro_batch)
         received, held.received = held.received, None
-        self._check_batch(received, stage == self.last_stage)
+        check_received_batch(received.micro_batches, self._micro_batches, self.rank)
+        if stage == self.last_stage:
+            check_target_batch(received.batch_size, self._target_batch)
         return boundary.as_arguments(received.structure), {}, received.tensors
 
     def _forward(self, stage: int, micro_batch: int) -> None:
@@ -173,19 +169,6 @@ class StageExecutor:
         output = self.stages[stage].infer(micro_batch, args, kwargs)
         if stage == self.last_stage:
             self._inferred.append(output)
-
-    def _check_batch(self, received: boundary.Received, last: bool) -> None:
-        """The first stage's batch against this rank's schedule and, on the last stage, its targets: a target of
-        another batch size would broadcast silently in many losses."""
-        if received.micro_batches != self._micro_batches:
-            raise ValueError(f"the first stage split the batch into {received.micro_batches} micro-batches but "
-                             f"the Pipeline on rank {self.rank} has micro_batches={self._micro_batches}")
-        if last:
-            self._check_target_batch(received.batch_size)
-
-    def _check_target_batch(self, batch_size: int | None) -> None:
-        if None not in (batch_size, self._target_batch) and batch_size != self._target_batch:
-            raise ValueError(f"step: target has batch size {self._target_batch} but the inputs have {batch_size}")
 
     def _backward(self, stage: int, micro_batch: int) -> None:
         self.stages[stage].backward(micro_batch)

@@ -54,6 +54,19 @@ def batch_size(batch: Any, what: str) -> int | None:
     return size
 
 
+def check_received_batch(micro_batches: int, expected: int | None, rank: int) -> None:
+    """The first stage's split of the batch, as a message carries it, against this rank's schedule."""
+    if micro_batches != expected:
+        raise ValueError(f"the first stage split the batch into {micro_batches} micro-batches but the Pipeline on "
+                         f"rank {rank} has micro_batches={expected}")
+
+
+def check_target_batch(batch_size: int | None, target_batch: int | None) -> None:
+    """The last stage's targets against the inputs' batch size: another size would broadcast silently in many losses."""
+    if None not in (batch_size, target_batch) and batch_size != target_batch:
+        raise ValueError(f"step: target has batch size {target_batch} but the inputs have {batch_size}")
+
+
 def join(outputs: Sequence[Any]) -> Any:
     """The micro-batches' output structures as one: tensor leaves concatenated along dim 0, 0-d ones stacked.
 

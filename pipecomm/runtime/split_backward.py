@@ -24,6 +24,7 @@ an error naming the layer (``check_reported``), never a silent omission.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -169,3 +170,14 @@ def check_reported(deferrals: Sequence[Deferral], roots: Sequence[torch.Tensor],
             "backward reached their deferral without passing it the layer's output gradient, so they would get none; "
             "something ran their backward outside autograd's view of the layer. Use a schedule without the split "
             "backward (1f1b, interleaved-1f1b, gpipe)")
+
+
+def warn_if_nothing_deferred(store: WeightGradStore, who: str, schedule_name: str, stages: list[int]) -> None:
+    """After a zero-bubble schedule's first step: a warning if no Linear deferred its weight gradient to W."""
+    if store.deferrals_made == 0:
+        warnings.warn(
+            f"{who}: schedule {schedule_name!r} split the backward, but no nn.Linear of stages {stages} deferred its "
+            "weight gradient to W in the first step: they run inside torch.compile'd regions (whose backward "
+            "computes every gradient in one graph), are frozen, or are subclasses with a forward of their own. "
+            "Training is exact, but the W passes have nothing to fill the bubbles with; 1f1b gives the same for "
+            "less bookkeeping", stacklevel=3)

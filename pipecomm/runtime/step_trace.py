@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from pipecomm.runtime.executor import StageExecutor
+from pipecomm.schedules.schedule import Action
 
 __all__: list[str] = []
 
@@ -24,10 +25,19 @@ def bubble_fraction(executor: StageExecutor) -> float:
     return max(0.0, 1.0 - busy / span) if span > 0 else 0.0
 
 
+def compute_spans(executor: StageExecutor) -> list[tuple[float, float, Action]]:
+    """(start, end, action) of the last step's compute actions: CUDA-event times (seconds from the step's start)
+    with a device timeline, else the host clock."""
+    if executor.device_timeline:
+        compute = [action for _, _, action in executor.timeline if action.is_compute]
+        return [(start, end, action) for (start, end), action in zip(executor.device_timeline.spans(), compute)]
+    return [entry for entry in executor.timeline if entry[2].is_compute]
+
+
 def timeline(executor: StageExecutor) -> list[Entry]:
     """The last step's actions: with a device timeline its compute actions at the GPU's times, else every action
     at the host's."""
-    entries = executor.compute_spans() if executor.device_timeline else executor.timeline
+    entries = compute_spans(executor) if executor.device_timeline else executor.timeline
     return [(start, end, str(action), action.kind) for start, end, action in entries]
 
 

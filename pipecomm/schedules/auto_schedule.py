@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import collections
 import statistics
+from collections.abc import Callable, Iterable
 
-from pipecomm.schedules.schedule import Schedule, looped_placement, make_schedule, v_placement
+from pipecomm.schedules.schedule import Action, Schedule, looped_placement, make_schedule, v_placement
 
 __all__ = ["starting_schedule"]
 
@@ -41,12 +42,13 @@ class CostMeter:
         self.steps = 0
         self._durations: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
 
-    def add_step(self, executor) -> bool:
-        """Notes one finished step's compute times; True once enough steps were measured."""
+    def add_step(self, spans: Callable[[], Iterable[tuple[float, float, Action]]]) -> bool:
+        """Notes one finished step's compute (start, end, action) spans, read only after the warm-up steps (reading
+        device times waits for the GPU); True once enough steps were measured."""
         self.steps += 1
         if self.steps <= WARMUP_STEPS:
             return False
-        for start, end, action in executor.compute_spans():
+        for start, end, action in spans():
             self._durations[(action.kind, action.stage)].append(end - start)
         return self.steps >= WARMUP_STEPS + MEASURED_STEPS
 
