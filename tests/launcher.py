@@ -15,7 +15,6 @@ import argparse
 import os
 import runpy
 import signal
-import socket
 import sys
 
 # Imported before the fork, once for every rank and run; torch._dynamo is what an optimizer's first step imports.
@@ -25,11 +24,7 @@ import torch.distributed  # noqa: F401
 
 import pipecomm  # noqa: F401
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from ports import free_port
 
 
 def run_rank(script: str, rank: int, world_size: int, port: int) -> None:

@@ -13,7 +13,6 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import pipecomm
+from ports import free_port
 
 
 # What the rank server imports once, so that no rank spends its CPU on it: what the test modules import (a rank
@@ -131,12 +131,6 @@ def _collect_exits(processes, outcomes: dict, may_exit: frozenset) -> None:
 
 
 _exit_seen: dict = {}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 NEEDS_CUDA_REASON = "needs a GPU and a CUDA build of pipecomm"  # conftest marks these tests `cuda`

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from ranks import free_port
+from ports import free_port
 
 NODE_TIMEOUT = 180.0
 
