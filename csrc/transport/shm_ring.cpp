@@ -1,10 +1,8 @@
-// Shared-memory ring protocol: segment lifecycle, control block, flow control, growth and waiting.
+// Shared-memory ring protocol: control block, flow control, growth and waiting (segments: shm_segment.cpp).
 #include "shm_ring.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -18,16 +16,13 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <map>
-#include <memory>
-#include <mutex>
 #include <system_error>
 #include <thread>
 #include <type_traits>
 #include <utility>
 
 #include "cpu_relax.h"
+#include "shm_segment.h"
 
 namespace pipecomm::transport {
 namespace detail {
@@ -97,7 +92,18 @@ namespace {
 using detail::ControlBlock;
 using detail::DataGeneration;
 using detail::kAbortReasonBytes;
+using detail::create_segment;
+using detail::data_segment_name_for;
+using detail::FileDescriptor;
+using detail::kShmDirectory;
+using detail::list_shm_entries;
 using detail::MappedSegment;
+using detail::os_error;
+using detail::parse_segment_name;
+using detail::process_is_alive;
+using detail::round_up_to_page;
+using detail::segment_stem;
+using detail::unlink_quietly;
 using detail::PeerStatus;
 using detail::SlotHeader;
 using detail::WaitFailure;
@@ -110,7 +116,6 @@ constexpr uint32_t kFirstGeneration = 1;
 constexpr uint32_t kMaxSlots = 1u << 16;
 // Segment names get ".pid<pid>.gen<generation>" appended and must fit NAME_MAX.
 constexpr size_t kMaxChannelNameBytes = 200;
-constexpr const char* kShmDirectory = "/dev/shm";
 // A peer usually answers within microseconds (a pipeline's host runs ahead of its GPU), and a
 // futex sleep adds tens of microseconds of wake-up latency; so spin this long before sleeping.
 constexpr auto kSpinDuration = std::chrono::microseconds(50);
@@ -118,18 +123,6 @@ constexpr int kSpinsPerClockRead = 64;
 // Blocking waits wake at least this often to check peer liveness and the deadline.
 constexpr auto kWaitSlice = std::chrono::milliseconds(50);
 constexpr auto kAttachBackoffCap = std::chrono::milliseconds(1);
-
-size_t page_bytes() {
-  static const size_t bytes = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  return bytes;
-}
-
-size_t round_up_to_page(size_t bytes) {
-  const size_t page = page_bytes();
-  const size_t at_least_one = std::max<size_t>(bytes, 1);
-  if (at_least_one > SIZE_MAX - page) throw std::length_error("pipecomm shm ring: slot size overflows");
-  return (at_least_one + page - 1) / page * page;
-}
 
 size_t control_block_bytes(uint32_t num_slots) {
   return sizeof(ControlBlock) + size_t{num_slots} * sizeof(SlotHeader);
@@ -149,10 +142,6 @@ std::string format_seconds(double seconds) {
   char text[32];
   std::snprintf(text, sizeof(text), seconds >= 0.1 ? "%.1f" : "%.3g", seconds);
   return text;
-}
-
-std::string os_error(const char* call, const std::string& name, int error) {
-  return std::string(call) + "(" + name + ") failed: " + std::generic_category().message(error);
 }
 
 Clock::duration to_duration(double seconds) {
@@ -176,88 +165,6 @@ void validate_config(const RingConfig& config) {
   if (!(config.timeout_s > 0.0) || !std::isfinite(config.timeout_s)) {
     throw std::invalid_argument("pipecomm shm ring: timeout_s must be a positive number of seconds");
   }
-}
-
-bool process_is_alive(pid_t pid) {
-  if (pid <= 0) return false;
-  if (kill(pid, 0) == -1 && errno == ESRCH) return false;
-  // A killed child that its parent has not reaped yet still answers kill(), but never runs again.
-  std::ifstream stat_file("/proc/" + std::to_string(pid) + "/stat");
-  if (!stat_file) return true;
-  std::string stat_line;
-  std::getline(stat_file, stat_line);
-  const size_t command_end = stat_line.rfind(')');
-  if (command_end == std::string::npos || command_end + 2 >= stat_line.size()) return true;
-  const char state = stat_line[command_end + 2];
-  return state != 'Z' && state != 'X';
-}
-
-std::string segment_stem(const std::string& channel_name, pid_t owner_pid) {
-  return channel_name + ".pid" + std::to_string(owner_pid);
-}
-
-std::string data_segment_name_for(const std::string& channel_name, pid_t owner_pid, uint32_t generation) {
-  return segment_stem(channel_name, owner_pid) + ".gen" + std::to_string(generation);
-}
-
-struct ParsedSegmentName {
-  std::string channel_name;  // with the leading '/'
-  pid_t owner_pid;
-  bool is_control;
-};
-
-bool all_digits(const std::string& text, size_t begin, size_t end) {
-  if (begin >= end) return false;
-  return std::all_of(text.begin() + static_cast<std::ptrdiff_t>(begin), text.begin() + static_cast<std::ptrdiff_t>(end),
-                     [](char c) { return c >= '0' && c <= '9'; });
-}
-
-// Recognises only names this file creates, so sweeps never touch anybody else's segments.
-std::optional<ParsedSegmentName> parse_segment_name(const std::string& entry) {
-  const size_t marker = entry.rfind(".pid");
-  if (marker == std::string::npos || marker == 0) return std::nullopt;
-  const size_t pid_begin = marker + 4;
-  const size_t pid_end = entry.find('.', pid_begin);
-  if (pid_end == std::string::npos || !all_digits(entry, pid_begin, pid_end) || pid_end - pid_begin > 9) {
-    return std::nullopt;
-  }
-  const std::string suffix = entry.substr(pid_end);
-  const bool is_control = suffix == ".ctl";
-  const bool is_data = suffix.rfind(".gen", 0) == 0 && all_digits(suffix, 4, suffix.size());
-  if (!is_control && !is_data) return std::nullopt;
-  return ParsedSegmentName{"/" + entry.substr(0, marker),
-                           static_cast<pid_t>(std::stol(entry.substr(pid_begin, pid_end - pid_begin))), is_control};
-}
-
-std::vector<std::string> list_shm_entries() {
-  std::unique_ptr<DIR, int (*)(DIR*)> directory(opendir(kShmDirectory), closedir);
-  if (!directory) {
-    throw ChannelError("pipecomm shm ring: " + os_error("opendir", kShmDirectory, errno));
-  }
-  std::vector<std::string> entries;
-  while (const dirent* entry = readdir(directory.get())) {
-    if (entry->d_name[0] != '.') entries.emplace_back(entry->d_name);
-  }
-  return entries;
-}
-
-class FileDescriptor {
- public:
-  explicit FileDescriptor(int fd) : fd_(fd) {}
-  FileDescriptor(const FileDescriptor&) = delete;
-  FileDescriptor& operator=(const FileDescriptor&) = delete;
-  ~FileDescriptor() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
-void unlink_quietly(const std::string& name) {
-  // ENOENT is expected: whichever side maps a segment second unlinks it, the other may retry.
-  if (!name.empty()) shm_unlink(name.c_str());
 }
 
 void write_reason(char* field, uint32_t& length, const std::string& reason) noexcept {
@@ -323,34 +230,6 @@ void wait_for(WakeWord& wake, double timeout_s, const std::atomic<bool>& interru
   }
 }
 
-MappedSegment create_segment(const std::string& name, size_t bytes) {
-  const int raw_fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (raw_fd < 0) {
-    const int error = errno;
-    throw ChannelError("pipecomm shm ring: " + os_error("shm_open", name, error) +
-                       (error == EEXIST ? " (another ring of this process already uses the channel name)" : ""));
-  }
-  FileDescriptor fd(raw_fd);
-  try {
-    // A restrictive umask could strip the owner's write bit, which the peer needs for O_RDWR.
-    if (fchmod(fd.get(), 0600) != 0) throw ChannelError("pipecomm shm ring: " + os_error("fchmod", name, errno));
-    if (ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) {
-      throw ChannelError("pipecomm shm ring: " + os_error("ftruncate", name, errno) + " for " +
-                         std::to_string(bytes) + " bytes");
-    }
-    // Reserve the pages now: a full /dev/shm would otherwise surface later as SIGBUS on first write.
-    if (const int error = posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes)); error != 0) {
-      throw ChannelError("pipecomm shm ring: " + os_error("posix_fallocate", name, error) + " for " +
-                         std::to_string(bytes) + " bytes (is " + kShmDirectory +
-                         " too small? containers often need a larger --shm-size)");
-    }
-    return MappedSegment::map_fd(fd.get(), bytes, name);
-  } catch (...) {
-    unlink_quietly(name);
-    throw;
-  }
-}
-
 DataGeneration create_data_generation(const std::string& name, uint32_t generation, size_t slot_bytes,
                                       uint32_t num_slots) {
   if (slot_bytes > SIZE_MAX / num_slots) throw std::length_error("pipecomm shm ring: data segment size overflows");
@@ -362,84 +241,7 @@ DataGeneration create_data_generation(const std::string& name, uint32_t generati
   return created;
 }
 
-struct SharedMapping {
-  std::byte* base;
-  size_t bytes;
-  size_t users;
-};
-
-std::mutex& mapping_registry_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-
-// Keyed by the shm object's identity; an entry keeps the object mapped, so its inode cannot be reused.
-std::map<std::pair<dev_t, ino_t>, SharedMapping>& mapping_registry() {
-  static std::map<std::pair<dev_t, ino_t>, SharedMapping> registry;
-  return registry;
-}
-
 }  // namespace
-
-namespace detail {
-
-MappedSegment MappedSegment::map_fd(int fd, size_t bytes, const std::string& name) {
-  struct stat status {};
-  if (fstat(fd, &status) != 0) throw ChannelError("pipecomm shm ring: " + os_error("fstat", name, errno));
-  const std::pair<dev_t, ino_t> identity{status.st_dev, status.st_ino};
-  std::lock_guard<std::mutex> lock(mapping_registry_mutex());
-  auto& registry = mapping_registry();
-  MappedSegment mapped;
-  if (auto existing = registry.find(identity); existing != registry.end()) {
-    if (existing->second.bytes != bytes) {
-      throw ProtocolError("pipecomm shm ring: segment " + name + " is already mapped with " +
-                          std::to_string(existing->second.bytes) + " bytes, not " + std::to_string(bytes));
-    }
-    ++existing->second.users;
-    mapped.base_ = existing->second.base;
-  } else {
-    void* address = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (address == MAP_FAILED) {
-      throw ChannelError("pipecomm shm ring: " + os_error("mmap", name, errno) + " for " + std::to_string(bytes) +
-                         " bytes");
-    }
-    mapped.base_ = static_cast<std::byte*>(address);
-    registry.emplace(identity, SharedMapping{mapped.base_, bytes, 1});
-  }
-  return mapped;
-}
-
-MappedSegment::MappedSegment(MappedSegment&& other) noexcept : base_(std::exchange(other.base_, nullptr)) {}
-
-MappedSegment& MappedSegment::operator=(MappedSegment&& other) noexcept {
-  if (this != &other) {
-    reset();
-    base_ = std::exchange(other.base_, nullptr);
-  }
-  return *this;
-}
-
-MappedSegment::~MappedSegment() { reset(); }
-
-void MappedSegment::reset() noexcept {
-  if (base_ == nullptr) return;
-  std::lock_guard<std::mutex> lock(mapping_registry_mutex());
-  auto& registry = mapping_registry();
-  const auto entry = std::find_if(registry.begin(), registry.end(),
-                                  [&](const auto& item) { return item.second.base == base_; });
-  if (entry == registry.end()) {
-    std::fprintf(stderr, "pipecomm shm ring: internal error: mapping %p missing from registry\n",
-                 static_cast<void*>(base_));
-    std::abort();
-  }
-  if (--entry->second.users == 0) {
-    munmap(entry->second.base, entry->second.bytes);
-    registry.erase(entry);
-  }
-  base_ = nullptr;
-}
-
-}  // namespace detail
 
 size_t packed_message_bytes(const MessagePart* parts, size_t num_parts) {
   size_t end = 0;
@@ -455,21 +257,6 @@ size_t packed_message_bytes(const MessagePart* parts, size_t num_parts) {
     end = begin + parts[index].bytes;
   }
   return end;
-}
-
-size_t sweep_stale_segments(const std::string& prefix) {
-  const std::string stem = !prefix.empty() && prefix[0] == '/' ? prefix.substr(1) : prefix;
-  if (stem.empty()) {
-    throw std::invalid_argument("pipecomm shm ring: sweep_stale_segments needs a non-empty prefix");
-  }
-  size_t removed = 0;
-  for (const std::string& entry : list_shm_entries()) {
-    if (entry.rfind(stem, 0) != 0) continue;
-    const auto parsed = parse_segment_name(entry);
-    if (!parsed || process_is_alive(parsed->owner_pid)) continue;
-    if (shm_unlink(("/" + entry).c_str()) == 0) ++removed;
-  }
-  return removed;
 }
 
 // ---------------------------------------------------------------------------------------------

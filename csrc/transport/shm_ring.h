@@ -14,6 +14,7 @@
 
 #include "../pack_alignment.h"
 #include "errors.h"
+#include "shm_segment.h"
 
 namespace pipecomm::transport {
 
@@ -44,35 +45,12 @@ struct Message {
 // Payload size of a message: parts at kPackAlignment offsets (pack_alignment.h), without padding after the last part.
 size_t packed_message_bytes(const MessagePart* parts, size_t num_parts);
 
-// Unlinks /dev/shm segments whose name starts with prefix and whose creator process is gone.
-// Returns how many were removed.
-size_t sweep_stale_segments(const std::string& prefix);
-
 namespace detail {
 
 struct ControlBlock;
 
 enum class WaitFailure { timeout, peer_closed, peer_died, interrupted };
 enum class PeerStatus { alive, closed, died };
-
-// A MAP_SHARED mapping shared by every user in this process of the same shm object, so both ends
-// of an in-process channel see one address (ThreadSanitizer only pairs atomics at equal addresses).
-class MappedSegment {
- public:
-  MappedSegment() = default;
-  static MappedSegment map_fd(int fd, size_t bytes, const std::string& name);
-  MappedSegment(MappedSegment&& other) noexcept;
-  MappedSegment& operator=(MappedSegment&& other) noexcept;
-  MappedSegment(const MappedSegment&) = delete;
-  MappedSegment& operator=(const MappedSegment&) = delete;
-  ~MappedSegment();
-
-  std::byte* data() const { return base_; }
-  void reset() noexcept;
-
- private:
-  std::byte* base_ = nullptr;
-};
 
 // One data segment of the receiver: num_slots slots of slot_bytes each.
 struct DataGeneration {
