@@ -7,12 +7,14 @@ milliseconds instead of the seconds a new interpreter takes to import torch.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import queue
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -76,22 +78,31 @@ def _entry(rank: int, world_size: int, store_path: str | int, process_group: str
 
 
 def run_ranks(world_size: int, fn: Callable, tmp_path: Path, *args, timeout: float = 60.0, may_exit: frozenset = frozenset(),
-              tcp_store: bool = False, process_group: str = "gloo") -> list:
+              tcp_store: bool = False, process_group: str = "gloo", prepare: Callable[[], object] | None = None) -> list:
     """Runs fn(rank, world_size, *args) on world_size spawned ranks and returns their results by rank.
 
     Ranks in ``may_exit`` are allowed to exit without a result (a simulated crash); their result is
     their exit code. The ranks meet through a file, or with ``tcp_store`` through a TCPStore that
     rank 0's process hosts (as torchrun's does), for tests where that process dies. ``process_group`` is
     the default group's backend (``"cpu:gloo,cuda:nccl"`` for NCCL twins, one GPU per rank).
+
+    With ``prepare`` (CPU only: no CUDA before a fork), one process runs it once and forks every rank from itself;
+    each then runs fn(rank, world_size, prepared, *args) on its copy of what it prepared (a model captured once
+    for all of a test's ranks instead of once per rank).
     """
     context = _rank_context()
     results = context.Queue()
     # A store file of its own per call: one a crashed rank left behind would hang the next call's rendezvous.
     store_path = free_port() if tcp_store else str(tmp_path / f"store-{os.getpid()}-{next(_calls)}")
-    processes = [
-        context.Process(target=_entry, args=(rank, world_size, store_path, process_group, results, fn, args), daemon=True)
-        for rank in range(world_size)
-    ]
+    if prepare is None:
+        processes = [
+            context.Process(target=_entry, args=(rank, world_size, store_path, process_group, results, fn, args),
+                            daemon=True)
+            for rank in range(world_size)
+        ]
+    else:  # one process whose exit notes come as results; it is no rank
+        processes = [context.Process(target=_fork_ranks, args=(world_size, store_path, process_group, results, fn,
+                                                                args, prepare), daemon=True)]
     for process in processes:
         process.start()
     outcomes: dict[int, object] = {}
@@ -101,20 +112,60 @@ def run_ranks(world_size: int, fn: Callable, tmp_path: Path, *args, timeout: flo
             try:
                 rank, status, payload = results.get(timeout=0.2)
             except queue.Empty:
-                _collect_exits(processes, outcomes, may_exit)
+                if prepare is None:
+                    _collect_exits(processes, outcomes, may_exit)
+                elif processes[0].exitcode not in (None, 0):
+                    raise AssertionError(f"the process forking the ranks exited with code {processes[0].exitcode}")
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(outcomes))
                     raise AssertionError(f"ranks {missing} gave no result within {timeout:g} s (hang?)") from None
                 continue
             if status == "error":
-                raise AssertionError(f"rank {rank} failed:\n{payload}")
+                raise AssertionError(f"rank {rank} failed:\n{payload}" if rank >= 0 else payload)
+            if status == "exited":
+                if rank not in may_exit:
+                    raise AssertionError(f"rank {rank} exited with code {payload} without a result")
+                outcomes.setdefault(rank, payload)
+                continue
             outcomes[rank] = payload
     finally:
         for process in processes:
             process.join(timeout=5)
             if process.is_alive():
+                if prepare is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)  # the ranks it forked too
                 process.kill()
     return [outcomes[rank] for rank in range(world_size)]
+
+
+def _fork_ranks(world_size: int, store_path: str | int, process_group: str, results, fn, args, prepare) -> None:
+    """Runs ``prepare`` once, then forks every rank from this process; reports a rank that exits unsuccessfully
+    (its result, if any, is in the queue before the report: it flushed the queue before exiting)."""
+    os.setpgrp()  # its ranks with it, so that the parent can kill them all at once
+    torch.set_num_threads(1)  # no thread pool in a process that forks
+    try:
+        prepared = prepare()
+    except BaseException:
+        results.put((-1, "error", f"prepare failed:\n{traceback.format_exc()}"))
+        return
+    children = {}
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _entry(rank, world_size, store_path, process_group, results, fn, (prepared, *args))
+            finally:
+                results.close()
+                results.join_thread()
+                os._exit(0)
+        children[pid] = rank
+    while children:
+        pid, status = os.wait()
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            results.put((children[pid], "exited", code))
+        del children[pid]
 
 
 def _collect_exits(processes, outcomes: dict, may_exit: frozenset) -> None:

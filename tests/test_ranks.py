@@ -3,6 +3,7 @@ failing rank is named with its traceback, a hanging one fails within the timeout
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -26,19 +27,22 @@ def test_each_test_gets_fresh_ranks_that_imported_torch_and_transformers_once(tm
         assert run_ranks(3, report_rank, tmp_path) == [(rank, 3, 3, 1, True) for rank in range(3)]
 
 
-def fail_on_rank_one(rank: int, world_size: int) -> str:
+def fail_on_rank_one(rank: int, world_size: int, *prepared) -> str:
     if rank == 1:
         raise ValueError("rank 1 fails on purpose")
     return "fine"
 
 
-def hang_on_rank_zero(rank: int, world_size: int) -> str:
+def hang_on_rank_zero(rank: int, world_size: int, *prepared) -> str:
     if rank == 0:
+        if prepared:  # the pid file named by what was prepared
+            with open(prepared[0], "w") as file:
+                file.write(str(os.getpid()))
         time.sleep(3600)
     return "fine"
 
 
-def exit_on_rank_zero(rank: int, world_size: int) -> str:
+def exit_on_rank_zero(rank: int, world_size: int, *prepared) -> str:
     if rank == 0:
         os._exit(3)
     return "fine"
@@ -60,3 +64,49 @@ def test_a_rank_that_exits_fails_the_test_unless_allowed_to(tmp_path):
     with pytest.raises(AssertionError, match="rank 0 exited with code 3 without a result"):
         run_ranks(2, exit_on_rank_zero, tmp_path)
     assert run_ranks(2, exit_on_rank_zero, tmp_path, may_exit=frozenset({0})) == [3, "fine"]
+
+
+def prepared_once() -> tuple:
+    return os.getpid(), []
+
+
+def report_prepared(rank: int, world_size: int, prepared: tuple) -> tuple:
+    pid, ranks = prepared
+    ranks.append(rank)  # its own copy: no other rank's entry in it
+    return pid == os.getppid(), ranks
+
+
+def fail_to_prepare() -> None:
+    raise KeyError("nothing to prepare")
+
+
+def test_prepared_ranks_are_forked_from_the_process_that_prepared_once(tmp_path):
+    assert run_ranks(3, report_prepared, tmp_path, prepare=prepared_once) == [(True, [rank]) for rank in range(3)]
+
+
+def test_prepared_ranks_fail_hang_and_exit_as_the_others_do(tmp_path):
+    with pytest.raises(AssertionError, match=r"rank 1 failed:\n(.|\n)*rank 1 fails on purpose"):
+        run_ranks(2, fail_on_rank_one, tmp_path, prepare=int)
+    pid_file = tmp_path / "hanging.pid"
+    with pytest.raises(AssertionError, match=r"ranks \[0\] gave no result within 2 s \(hang\?\)"):
+        run_ranks(2, hang_on_rank_zero, tmp_path, timeout=2, prepare=functools.partial(str, pid_file))
+    assert _gone(int(pid_file.read_text())), "the hanging rank outlived its test"
+    with pytest.raises(AssertionError, match="rank 0 exited with code 3 without a result"):
+        run_ranks(2, exit_on_rank_zero, tmp_path, prepare=int)
+    assert run_ranks(2, exit_on_rank_zero, tmp_path, may_exit=frozenset({0}), prepare=int) == [3, "fine"]
+    with pytest.raises(AssertionError, match=r"prepare failed:\n(.|\n)*nothing to prepare"):
+        run_ranks(2, report_prepared, tmp_path, prepare=fail_to_prepare)
+
+
+def _gone(pid: int) -> bool:
+    """Whether the process ended (a zombie awaiting its reaper counts: it never runs again), within 5 s."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False

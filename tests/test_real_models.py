@@ -44,21 +44,44 @@ def reference_step(model, inputs, kwargs, target, loss_fn, micro_batches: int):
     return total
 
 
-def train_and_compare(rank, world_size, build, loss_fn, make_batch, schedule, virtual, micro_batches, kind="cpu",
-                      cuda_graphs=False, compile_blocks=False):
-    """3 AdamW steps of the split model against the unsplit one: every step's loss and, at the end, every parameter.
-    With ``compile_blocks``, the model's blocks are compiled in place before the split (the reference stays eager)."""
-    device = rank_device(rank, kind)
-    num_stages = world_size * virtual
+def split_model(build, num_stages: int, make_batch, compile_blocks: bool = False, stages: list[int] | None = None,
+                device: torch.device | None = None) -> tuple:
+    """The model, its unsplit reference (eager), what counts the compiled blocks' compilations (with
+    ``compile_blocks``: each block compiled in place first) and ``stages`` (default: every stage) of one capture."""
     model = build(num_stages)
     reference = copy.deepcopy(model)
     compiler = _compile_blocks(model) if compile_blocks else None
     inputs, kwargs, _ = make_batch(100)
-    example = tuple(value[:2] for value in inputs)
-    example_kwargs = {key: value[:2] for key, value in kwargs.items()}
+    split = pipecomm.split(model, num_stages, list(range(num_stages)) if stages is None else stages,
+                           example_inputs=tuple(value[:2] for value in inputs),
+                           example_kwargs={key: value[:2] for key, value in kwargs.items()}, device=device)
+    return model, reference, compiler, split
+
+
+def train_ranks(tmp_path, world_size: int, build, loss_fn, make_batch, schedule, virtual: int, micro_batches: int,
+                kind: str = "cpu", cuda_graphs: bool = False, compile_blocks: bool = False, timeout: float = 240) -> list:
+    """train_and_compare on ``world_size`` ranks. On CPU the model is built and captured once, before the ranks are
+    forked from that process, each rank taking its stages; on GPUs each rank splits onto its own device (a process
+    that forks must not have used CUDA)."""
+    splitter = functools.partial(split_model, build, world_size * virtual, make_batch, compile_blocks)
+    args = (loss_fn, make_batch, schedule, virtual, micro_batches, kind, cuda_graphs)
+    if kind == "cpu":
+        return run_ranks(world_size, train_and_compare, tmp_path, *args, timeout=timeout, prepare=splitter)
+    return run_ranks(world_size, train_and_compare, tmp_path, splitter, *args, timeout=timeout)
+
+
+def train_and_compare(rank, world_size, split, loss_fn, make_batch, schedule, virtual, micro_batches, kind="cpu",
+                      cuda_graphs=False):
+    """3 AdamW steps of the split model against the unsplit one: every step's loss and, at the end, every parameter.
+    ``split`` is split_model's result for every stage, or split_model waiting for this rank's stages and device."""
+    device = rank_device(rank, kind)
+    num_stages = world_size * virtual
     mine = held_stages(schedule, world_size, micro_batches, virtual, rank)
-    stages = pipecomm.split(model, num_stages, mine, example_inputs=example, example_kwargs=example_kwargs,
-                            device=device)
+    if callable(split):
+        model, reference, compiler, stages = split(mine, device)
+    else:
+        model, reference, compiler, every = split
+        stages = [every[index] for index in mine]
     pipe = pipecomm.Pipeline(stages if virtual > 1 else stages[0], stage=mine if virtual > 1 else mine[0],
                              num_stages=num_stages, loss_fn=loss_fn, micro_batches=micro_batches, schedule=schedule,
                              timeout=60, cuda_graphs=cuda_graphs)
@@ -110,31 +133,30 @@ LM_CASES = [
 @pytest.mark.parametrize(("schedule", "world_size", "virtual", "micro_batches"), LM_CASES,
                          ids=[f"{case[0]}-{case[1]}ranks" for case in LM_CASES])
 def test_hugging_face_language_models_train_exactly(tmp_path, build, schedule, world_size, virtual, micro_batches):
-    assert run_ranks(world_size, train_and_compare, tmp_path, build, lm_loss, lm_batch, schedule, virtual,
-                     micro_batches, timeout=240) == ["ok"] * world_size
+    assert train_ranks(tmp_path, world_size, build, lm_loss, lm_batch, schedule, virtual,
+                       micro_batches) == ["ok"] * world_size
 
 
 @pytest.mark.parametrize(("build", "schedule", "virtual"),
                          [(llama, "zb-h1", 1), (gpt2, "zb-v", 2), (llama, "auto", 1)],
                          ids=["llama-zb-h1", "gpt2-zb-v", "llama-auto"])
 def test_hugging_face_blocks_compiled_before_the_split_train_exactly(tmp_path, build, schedule, virtual):
-    assert run_ranks(2, train_and_compare, tmp_path, build, lm_loss, lm_batch, schedule, virtual, 4, "cpu", False,
-                     True, timeout=300) == ["ok"] * 2
+    assert train_ranks(tmp_path, 2, build, lm_loss, lm_batch, schedule, virtual, 4, "cpu", False, True,
+                       timeout=300) == ["ok"] * 2
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 @needs_cuda
 def test_hugging_face_blocks_compiled_before_the_split_replay_cuda_graphs_exactly(tmp_path, schedule):
-    assert run_ranks(2, train_and_compare, tmp_path, llama, lm_loss, lm_batch, schedule, 1, 4, "cuda", True, True,
-                     timeout=300) == ["ok"] * 2
+    assert train_ranks(tmp_path, 2, llama, lm_loss, lm_batch, schedule, 1, 4, "cuda", True, True,
+                       timeout=300) == ["ok"] * 2
 
 
 @pytest.mark.parametrize("name", sorted(CAUSAL_LMS))
 def test_more_hugging_face_architectures_train_exactly(tmp_path, name):
     # zb-h1 splits every block's backward in two: the hardest path for experts, ALiBi and sliding windows.
     build = functools.partial(causal_lm, name)
-    assert run_ranks(2, train_and_compare, tmp_path, build, lm_loss, lm_batch, "zb-h1", 1, 4,
-                     timeout=240) == ["ok"] * 2
+    assert train_ranks(tmp_path, 2, build, lm_loss, lm_batch, "zb-h1", 1, 4) == ["ok"] * 2
 
 
 def test_a_router_output_read_across_stages_is_refused_by_name():
@@ -151,16 +173,14 @@ def test_a_router_output_read_across_stages_is_refused_by_name():
 @needs_cuda
 def test_hugging_face_language_models_train_exactly_on_one_gpu_over_ipc(tmp_path, build, schedule):
     virtual = 2 if schedule == "interleaved-1f1b" else 1
-    assert run_ranks(2, train_and_compare, tmp_path, build, lm_loss, lm_batch, schedule, virtual, 4, "cuda",
-                     timeout=240) == ["ok"] * 2
+    assert train_ranks(tmp_path, 2, build, lm_loss, lm_batch, schedule, virtual, 4, "cuda") == ["ok"] * 2
 
 
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @needs_cuda
 def test_hugging_face_language_models_replay_cuda_graphs_exactly(tmp_path, build, schedule):
-    assert run_ranks(2, train_and_compare, tmp_path, build, lm_loss, lm_batch, schedule, 1, 4, "cuda", True,
-                     timeout=240) == ["ok"] * 2
+    assert train_ranks(tmp_path, 2, build, lm_loss, lm_batch, schedule, 1, 4, "cuda", True) == ["ok"] * 2
 
 
 def image_batch(step: int):
@@ -188,13 +208,13 @@ def long_skip(num_stages: int) -> LongSkip:
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_a_cnn_with_functional_ops_in_its_forward_trains_exactly(tmp_path, schedule):
-    assert run_ranks(2, train_and_compare, tmp_path, annotated_cnn, nn.functional.cross_entropy, image_batch,
-                     schedule, 1, 4, timeout=180) == ["ok"] * 2
+    assert train_ranks(tmp_path, 2, annotated_cnn, nn.functional.cross_entropy, image_batch, schedule, 1, 4,
+                       timeout=180) == ["ok"] * 2
 
 
 def test_a_skip_over_four_stages_trains_exactly(tmp_path):
-    assert run_ranks(4, train_and_compare, tmp_path, long_skip, nn.functional.mse_loss, vector_batch, "1f1b", 1, 4,
-                     timeout=180) == ["ok"] * 4
+    assert train_ranks(tmp_path, 4, long_skip, nn.functional.mse_loss, vector_batch, "1f1b", 1, 4,
+                       timeout=180) == ["ok"] * 4
 
 
 class NormNet(nn.Module):
@@ -214,8 +234,8 @@ class NormNet(nn.Module):
 
 
 def test_batch_norm_matches_accumulation_over_the_same_micro_batches(tmp_path):
-    assert run_ranks(2, train_and_compare, tmp_path, NormNet, nn.functional.mse_loss, vector_batch, "1f1b", 1, 4,
-                     timeout=180) == ["ok"] * 2
+    assert train_ranks(tmp_path, 2, NormNet, nn.functional.mse_loss, vector_batch, "1f1b", 1, 4,
+                       timeout=180) == ["ok"] * 2
 
 
 def greedy_decoding(rank: int, world_size: int, batch: int) -> str:
@@ -243,19 +263,16 @@ def test_greedy_decoding_token_for_token_with_a_broadcast_result(tmp_path, batch
     assert run_ranks(2, greedy_decoding, tmp_path, batch, timeout=180) == ["ok"] * 2
 
 
-def fsdp_and_pipeline(rank, world_size, build, schedule, compile_blocks=False):
+def fsdp_and_pipeline(rank, world_size, split, schedule, compile_blocks=False):
     """pp 2 × FSDP dp 2: each transformer block sharded over the replicas (the tied embedding and head stay whole),
     3 AdamW steps against one process accumulating over the same micro-batches of the global batch; with
-    ``compile_blocks``, each sharded block then compiled in place."""
+    ``compile_blocks``, each sharded block then compiled in place. ``split``: split_model's, for both stages."""
     from torch.distributed.fsdp import fully_shard
 
     ctx = pipecomm.init(pipeline_size=2, data_size=2)
     micro_batches = 2
-    model = build(2)
-    reference = copy.deepcopy(model)
-    inputs, kwargs, _ = lm_batch(100)
-    stage = pipecomm.split(model, 2, ctx.stage, example_inputs=tuple(value[:2] for value in inputs),
-                           example_kwargs={key: value[:2] for key, value in kwargs.items()})
+    _, reference, _, every = split
+    stage = every[ctx.stage]
     blocks = [module for module in stage.modules() if type(module).__name__ in ("GPT2Block", "LlamaDecoderLayer")]
     assert blocks
     for block in blocks:
@@ -286,8 +303,10 @@ def fsdp_and_pipeline(rank, world_size, build, schedule, compile_blocks=False):
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_hugging_face_models_with_fsdp_blocks_train_exactly(tmp_path, build, schedule):
-    assert run_ranks(4, fsdp_and_pipeline, tmp_path, build, schedule, timeout=240) == ["ok"] * 4
+    assert run_ranks(4, fsdp_and_pipeline, tmp_path, schedule, timeout=240,
+                     prepare=functools.partial(split_model, build, 2, lm_batch)) == ["ok"] * 4
 
 
 def test_fsdp_sharded_blocks_compiled_in_place_train_exactly_under_zero_bubble(tmp_path):
-    assert run_ranks(4, fsdp_and_pipeline, tmp_path, llama, "zb-h1", True, timeout=300) == ["ok"] * 4
+    assert run_ranks(4, fsdp_and_pipeline, tmp_path, "zb-h1", True, timeout=300,
+                     prepare=functools.partial(split_model, llama, 2, lm_batch)) == ["ok"] * 4
