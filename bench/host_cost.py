@@ -169,17 +169,14 @@ def build_stage(model: str, shape: Shape, rank: int, device: torch.device, dtype
     """Rank ``rank``'s half of the model: layer i seeded by i, so both ranks hold one model whatever the split."""
     half = range(rank * shape.layers // 2, (rank + 1) * shape.layers // 2)
     if model == "gpt":
-        from e2e import Block
+        from e2e import Config, build_chunk
 
-        blocks = []
-        for layer in half:
-            torch.manual_seed(1000 + layer)
-            blocks.append(Block(shape.hidden, max(1, shape.hidden // 128) if shape.hidden >= 128 else 2))
-        return nn.Sequential(*blocks).to(device, dtype)
+        config = Config("host_cost", shape.hidden, shape.seq, shape.micro_batch_size, shape.micro_batches)
+        return build_chunk(half, config, device, dtype)
     if model == "mha":
         blocks = []
         for layer in half:
-            torch.manual_seed(1000 + layer)
+            torch.manual_seed(1000 + layer)  # as e2e.build_chunk seeds its blocks
             blocks.append(MHABlock(shape.hidden))
         return nn.Sequential(*blocks).to(device, dtype)
     from transformers import LlamaConfig, LlamaForCausalLM
