@@ -20,7 +20,6 @@ from pipecomm.runtime import fail_fast, microbatch, step_trace
 from pipecomm.schedules.auto_schedule import CostMeter, initial_schedule
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.executor import StageExecutor
-from pipecomm.runtime.failure import Collective
 from pipecomm.parallel.gradient_finalizer import GradientFinalizer
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.parallel.grad_sync import SharedParameters
@@ -167,7 +166,7 @@ class Pipeline:
                                                     self.device, self.calls, timeout)
             shared = (SharedParameters(self.modules, lambda s: global_rank(group, self.schedule.stage_rank(s)))
                       if dist.is_initialized() else None)
-            self._gradients = GradientFinalizer(self._sinks, sharded, data_group, shared, self._collectives, self._wait)
+            self._gradients = GradientFinalizer(self._sinks, sharded, data_group, shared, self._collectives)
         fail_fast.track(self, several_ranks=self.num_ranks > 1)
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -330,7 +329,3 @@ class Pipeline:
             with contextlib.suppress(Exception):
                 undo()
         self._links.abort(reason)
-
-    def _wait(self, collective: Collective) -> None:
-        """Waits for one of this Pipeline's collectives: at most its timeout, and not once another rank failed."""
-        self.calls.wait(collective, self.timeout)

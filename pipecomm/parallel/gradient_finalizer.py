@@ -4,13 +4,11 @@ shared parameters summed over their holders, and clipping by the norm over the w
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipecomm.runtime.failure import Collective
 from pipecomm.parallel.grad_sync import DataParallelGrads, SharedParameters, local_shard, stage_norm
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.collectives import PipelineCollectives
@@ -25,13 +23,11 @@ class GradientFinalizer:
     shared parameter (``shared``, whose values it also makes equal at the start)."""
 
     def __init__(self, sinks: dict[int, GradientSink], sharded: ShardedStages, data_group: dist.ProcessGroup | None,
-                 shared: SharedParameters | None, collectives: PipelineCollectives,
-                 wait: Callable[[Collective], None]):
+                 shared: SharedParameters | None, collectives: PipelineCollectives):
         self.sinks = sinks
         self.sharded = sharded
         self.shared = shared
         self.collectives = collectives
-        self.wait = wait
         self.data_parallel = (DataParallelGrads(sinks, data_group, skip=sharded.sharded_parameters())
                               if data_group is not None and dist.get_world_size(data_group) > 1 else None)
         if shared:
@@ -39,7 +35,7 @@ class GradientFinalizer:
             if any(id(param) in sharded_ids for param, _, _ in shared.entries):
                 raise ValueError("Pipeline: a parameter shared between stages (a tied embedding and head) is "
                                  "sharded by fully_shard; keep it out of fully_shard (shard the blocks)")
-            shared.synchronize_values(wait)
+            shared.synchronize_values(collectives.wait)
 
     def stage_done(self, stage: int) -> None:
         """A stage's last backward of the step is done: its gradients go to their reductions over the replicas."""
@@ -50,9 +46,9 @@ class GradientFinalizer:
     def finish_step(self) -> None:
         """Waits for the replicas' reductions; sums the shared parameters' gradients over their holders."""
         if self.data_parallel:
-            self.data_parallel.finish(self.wait)
+            self.data_parallel.finish(self.collectives.wait)
         if self.shared:
-            self.shared.reduce_grads(self._sink_of, self.wait)
+            self.shared.reduce_grads(self._sink_of, self.collectives.wait)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, several_ranks: bool) -> torch.Tensor:
         """Clips every stage's gradients by the global norm across the whole pipeline; returns that norm."""

@@ -81,15 +81,19 @@ class PipelineCollectives:
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp, what: str) -> None:
         """In place, over the pipeline group."""
-        self.calls.wait(Collective(lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), [tensor],
-                                   self.group, f"pipeline rank {self.rank}: {what}"), self.timeout)
+        self.wait(Collective(lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), [tensor],
+                             self.group, f"pipeline rank {self.rank}: {what}"))
 
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
         """From the last stage's rank to every rank of the pipeline."""
         source = global_rank(self.group, self.last_rank)
-        self.calls.wait(Collective(lambda: dist.broadcast(tensor, src=source, group=self.group, async_op=True),
-                                   [tensor], self.group, f"pipeline rank {self.rank}: the broadcast of {what} from "
-                                                         f"the last stage (rank {source})"), self.timeout)
+        self.wait(Collective(lambda: dist.broadcast(tensor, src=source, group=self.group, async_op=True), [tensor],
+                             self.group, f"pipeline rank {self.rank}: the broadcast of {what} from the last stage "
+                                         f"(rank {source})"))
+
+    def wait(self, collective: Collective) -> None:
+        """Waits for any collective of the Pipeline: at most its timeout, and not once another rank failed."""
+        self.calls.wait(collective, self.timeout)
 
     def _broadcast_host(self, tensor: torch.Tensor, wire: torch.device, what: str) -> torch.Tensor:
         """A broadcast of host data, read back on the host."""
