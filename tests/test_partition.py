@@ -215,6 +215,18 @@ def test_leading_unannotated_layers_without_parameters_join_stage_0():
     assert split(model, 2, 0).layer_names == ("0", "1")
 
 
+def test_a_module_list_annotated_as_a_whole_places_its_elements_unless_they_say_otherwise():
+    model = chain_lm()
+    model.embed.pipeline_stage, model.blocks.pipeline_stage = 0, 1
+    model.blocks[3].pipeline_stage = model.norm.pipeline_stage = model.head.pipeline_stage = 2
+    stages = split(model, 3, [0, 1, 2])
+    assert [stage.layer_names for stage in stages] == [
+        ("embed",), ("blocks.0", "blocks.1", "blocks.2"), ("blocks.3", "norm", "act", "head"),
+    ]
+    assert stages[0].shared_parameters == {"embed.embedding.weight": (0, 2)}
+    assert stages[2].shared_parameters == {"head.weight": (0, 2)}
+
+
 def test_interleaved_stages_come_back_as_a_list_in_the_order_asked():
     stages = split(mlp(), 4, [2, 0])
     assert [stage.stage_index for stage in stages] == [2, 0]

@@ -28,6 +28,8 @@ from torch import nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 
+from pipecomm.splitting.stages import annotated_stages, shared_parameters
+
 __all__: list[str] = []
 
 
@@ -64,7 +66,7 @@ def capture_split(
     device: torch.device | None,
 ) -> list[CapturedStage]:
     """The requested stages of ``model``, cut from one capture of its forward."""
-    stage_of = _effective_stages(model, num_stages)
+    stage_of = annotated_stages(model, num_stages)
     units = _units(model, stage_of)
     exported = _export(model, example_args, example_kwargs, units, stack_traces=False)
     graph = _outline_units(exported, set(units))
@@ -75,7 +77,9 @@ def capture_split(
         graph = _outline_units(exported, set(units))
         placement = _place(graph, stage_of, num_stages)
     built = _cut(model, exported, graph, placement, num_stages, device)
-    _name_shared_parameters(built)
+    shared = shared_parameters(stage.named_parameters(remove_duplicate=False) for stage in built)
+    for stage, stage_shared in zip(built, shared):
+        stage.shared_parameters = stage_shared
     built[0].register_forward_pre_hook(_ArgumentCheck(model, example_args, example_kwargs, built[0], exported),
                                        with_kwargs=True)
     chosen = [built[index] for index in stages]
@@ -85,26 +89,7 @@ def capture_split(
     return chosen
 
 
-# -- annotations -----------------------------------------------------------------------------------
-
-
-def _effective_stages(model: nn.Module, num_stages: int) -> dict[str, int | None]:
-    """Every module's stage: its own ``pipeline_stage``, else its nearest annotated ancestor's, else None."""
-    stage_of: dict[str, int | None] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        inherited = stage_of[name.rpartition(".")[0]] if name else None
-        if hasattr(module, "pipeline_stage"):
-            assigned = module.pipeline_stage
-            if isinstance(assigned, bool) or not isinstance(assigned, int) or not 0 <= assigned < num_stages:
-                raise ValueError(f"split: {name or 'the model'!r} has pipeline_stage={assigned!r}; it must be an "
-                                 f"int in [0, {num_stages})")
-            inherited = assigned
-        stage_of[name] = inherited
-    if not any(stage is not None for stage in stage_of.values()):
-        raise ValueError(f"split: {type(model).__name__} defines its own forward, so split cuts it by "
-                         "pipeline_stage annotations on its submodules, and none carries one; annotate them "
-                         "(any depth), or pass an nn.Sequential to balance automatically")
-    return stage_of
+# -- units -----------------------------------------------------------------------------------------
 
 
 def _units(model: nn.Module, stage_of: dict[str, int | None]) -> list[str]:
@@ -127,6 +112,10 @@ def _units(model: nn.Module, stage_of: dict[str, int | None]) -> list[str]:
             else:
                 visit(name, child)
 
+    if subtree_stages[""] == {None}:
+        raise ValueError(f"split: {type(model).__name__} defines its own forward, so split cuts it by "
+                         "pipeline_stage annotations on its submodules, and none carries one; annotate them "
+                         "(any depth), or pass an nn.Sequential to balance automatically")
     if len(subtree_stages[""]) == 1:
         raise ValueError("split: the whole model sits on one stage; there is nothing to cut")
     visit("", model)
@@ -562,16 +551,3 @@ def _keep_buffers_non_persistent(model: nn.Module, stage: nn.Module) -> None:
             original = None
         if original is None or field in original._non_persistent_buffers_set or field not in original._buffers:
             stage.get_submodule(owner_name)._non_persistent_buffers_set.add(field)
-
-
-def _name_shared_parameters(stages: list[CapturedStage]) -> None:
-    holders: dict[int, set[int]] = collections.defaultdict(set)
-    for stage in stages:
-        for param in stage.parameters():
-            holders[id(param)].add(stage.stage_index)
-    for stage in stages:
-        stage.shared_parameters = {
-            name: tuple(sorted(holders[id(param)]))
-            for name, param in stage.named_parameters(remove_duplicate=False)
-            if len(holders[id(param)]) > 1
-        }

@@ -12,6 +12,7 @@ from torch import nn
 
 from pipecomm.splitting.balance import stage_sizes
 from pipecomm.splitting.capture import capture_split
+from pipecomm.splitting.stages import annotated_stages, shared_parameters
 
 __all__ = ["StageModule", "merge_checkpoints", "split"]
 
@@ -112,11 +113,12 @@ def split(
     named ``blocks.0``, ``blocks.1``, ... An annotation below the layers needs ``example_inputs``,
     and the model is then captured as above.
 
-    Placement, when any layer carries a ``pipeline_stage`` attribute (MindSpore / OneFlow style):
-    every layer with parameters must carry one, in ``[0, num_stages)``, not decreasing in execution
-    order; a layer without parameters and without the attribute joins the stage of the layer before
-    it (stage 0 for leading ones); every stage must get a layer; ``balance`` must be None; and only
-    layers may carry the attribute. Each violation is a ValueError naming the module.
+    Placement, when any layer carries a ``pipeline_stage`` attribute (MindSpore / OneFlow style), its
+    own or, as above, its nearest annotated ancestor's (a ``ModuleList`` annotated as a whole): every
+    layer with parameters must carry one, in ``[0, num_stages)``, not decreasing in execution order; a
+    layer without parameters and without the attribute joins the stage of the layer before it (stage 0
+    for leading ones); every stage must get a layer; and ``balance`` must be None. Each violation is a
+    ValueError naming the module.
 
     Otherwise ``balance`` splits the layers into ``num_stages`` consecutive non-empty groups:
     ``"parameters"`` (the default) minimises the largest stage's parameter count (exactly, then the
@@ -152,18 +154,23 @@ def split(
         return captured if isinstance(stage, Sequence) else captured[0]
     layers = _layers(model)
     _check_stage_arguments(num_stages, stages, len(layers))
-    stage_of_layer = _annotated_stages(model, layers, num_stages, balance)
+    stage_of_layer = _annotated_placement(layers, annotated_stages(model, num_stages), num_stages, balance)
     if stage_of_layer is None:
         sizes = stage_sizes(layers, num_stages, balance, sample_inputs)
         stage_of_layer = [index for index, size in enumerate(sizes) for _ in range(size)]
-    shared = _shared_parameters(layers, stage_of_layer)
+    layers_of_stage = [[] for _ in range(num_stages)]
+    for layer, owner in zip(layers, stage_of_layer):
+        layers_of_stage[owner].append(layer)
+    shared = shared_parameters(
+        [param for name, layer in stage_layers for param in layer.named_parameters(name, remove_duplicate=False)]
+        for stage_layers in layers_of_stage
+    )
     modules = []
     for index in stages:
-        stage_layers = [layer for layer, owner in zip(layers, stage_of_layer) if owner == index]
         if device is not None:
-            for _, layer in stage_layers:
+            for _, layer in layers_of_stage[index]:
                 layer.to(device)
-        modules.append(StageModule(stage_layers, index, num_stages, shared[index]))
+        modules.append(StageModule(layers_of_stage[index], index, num_stages, shared[index]))
     return modules if isinstance(stage, Sequence) else modules[0]
 
 
@@ -252,9 +259,9 @@ def _check_stage_arguments(num_stages: int, stages: list[int], num_layers: int) 
         raise ValueError(f"split: stages {stages} name a stage more than once")
 
 
-def _annotated_stages(model, layers, num_stages, balance) -> list[int] | None:
-    """Each layer's stage from ``pipeline_stage`` attributes, or None when no layer carries one."""
-    annotated = [name for name, layer in layers if hasattr(layer, "pipeline_stage")]
+def _annotated_placement(layers, stage_of_module, num_stages, balance) -> list[int] | None:
+    """Each layer's stage from the annotations, or None when no layer carries or inherits one."""
+    annotated = [name for name, _ in layers if stage_of_module[name] is not None]
     if not annotated:
         return None
     if balance is not None:
@@ -265,12 +272,8 @@ def _annotated_stages(model, layers, num_stages, balance) -> list[int] | None:
     stage_of_layer = []
     previous_name = None
     for name, layer in layers:
-        if hasattr(layer, "pipeline_stage"):
-            assigned = layer.pipeline_stage
-            if isinstance(assigned, bool) or not isinstance(assigned, int) or not 0 <= assigned < num_stages:
-                raise ValueError(
-                    f"split: {name!r} has pipeline_stage={assigned!r}; it must be an int in [0, {num_stages})"
-                )
+        assigned = stage_of_module[name]
+        if assigned is not None:
             if stage_of_layer and assigned < stage_of_layer[-1]:
                 raise ValueError(
                     f"split: {name!r} has pipeline_stage={assigned} but comes after {previous_name!r} on stage "
@@ -297,20 +300,6 @@ def _annotated_stages(model, layers, num_stages, balance) -> list[int] | None:
             f"{stage_of_layer[-1]} of {num_stages}"
         )
     return stage_of_layer
-
-
-def _shared_parameters(layers, stage_of_layer) -> dict[int, dict[str, tuple[int, ...]]]:
-    """Per stage, its parameter names whose Parameter object layers on other stages hold too."""
-    holders: dict[int, set[int]] = collections.defaultdict(set)
-    for (_, layer), stage in zip(layers, stage_of_layer):
-        for param in layer.parameters():
-            holders[id(param)].add(stage)
-    shared: dict[int, dict[str, tuple[int, ...]]] = collections.defaultdict(dict)
-    for (name, layer), stage in zip(layers, stage_of_layer):
-        for param_name, param in layer.named_parameters(prefix=name, remove_duplicate=False):
-            if len(holders[id(param)]) > 1:
-                shared[stage][param_name] = tuple(sorted(holders[id(param)]))
-    return shared
 
 
 def _equal_values(first, second) -> bool:

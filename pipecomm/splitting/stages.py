@@ -1,0 +1,42 @@
+"""What both splitters share: each module's stage from ``pipeline_stage`` annotations, and parameters several stages hold."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+
+from torch import nn
+
+__all__: list[str] = []
+
+
+def annotated_stages(model: nn.Module, num_stages: int) -> dict[str, int | None]:
+    """Every module's stage, by qualified name: its own ``pipeline_stage``, else its nearest annotated ancestor's,
+    else None. A value that is not an int in ``[0, num_stages)`` is a ValueError naming the module."""
+    stage_of: dict[str, int | None] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        inherited = stage_of[name.rpartition(".")[0]] if name else None
+        if hasattr(module, "pipeline_stage"):
+            assigned = module.pipeline_stage
+            # bool is an int, but True for stage 1 is a mistake, not a placement.
+            if isinstance(assigned, bool) or not isinstance(assigned, int) or not 0 <= assigned < num_stages:
+                raise ValueError(f"split: {name or 'the model'!r} has pipeline_stage={assigned!r}; it must be an "
+                                 f"int in [0, {num_stages})")
+            inherited = assigned
+        stage_of[name] = inherited
+    return stage_of
+
+
+def shared_parameters(
+    named_parameters_of_stage: Iterable[Iterable[tuple[str, nn.Parameter]]],
+) -> list[dict[str, tuple[int, ...]]]:
+    """For each stage's named parameters, given in stage order, those whose Parameter object another stage holds
+    too, mapped to the sorted indices of every stage holding it: a stage module's ``shared_parameters``, whose
+    gradients the runtime sums across those stages."""
+    named_of_stage = [list(named) for named in named_parameters_of_stage]
+    holders: dict[int, set[int]] = collections.defaultdict(set)
+    for stage, named in enumerate(named_of_stage):
+        for _, param in named:
+            holders[id(param)].add(stage)
+    return [{name: tuple(sorted(holders[id(param)])) for name, param in named if len(holders[id(param)]) > 1}
+            for named in named_of_stage]
