@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import re
@@ -11,7 +12,15 @@ import pytest
 
 import pipecomm
 from pipecomm.schedules import fast_simulation, jit, list_scheduling, local_search
-from pipecomm.schedules.schedule import SCHEDULES, looped_placement, make_schedule, v_placement
+from pipecomm.schedules.schedule import (
+    SCHEDULES,
+    Action,
+    Kind,
+    looped_placement,
+    make_schedule,
+    v_placement,
+    with_communication,
+)
 from pipecomm.schedules.simulation import peak_memory, simulate
 from pipecomm.schedules.validation import validate
 
@@ -41,12 +50,36 @@ def test_the_numba_simulator_times_every_schedule_as_the_python_one():
                 assert step_time == pytest.approx(reference.step_time, rel=1e-12), schedule.name
                 np.testing.assert_allclose(busy, reference.busy_time, rtol=1e-12)
                 # The interpreted loop is what runs where numba is missing.
-                finish, _, stuck = fast_simulation._run_python(
-                    encoded.actions, encoded.offsets, fast_simulation.kind_costs(costs, schedule.stages_per_rank),
-                    comm_time, encoded.num_stages, encoded.micro_batches)
+                finish = np.zeros(schedule.num_ranks)
+                stuck = fast_simulation.finish_times(
+                    encoded.actions, encoded.offsets[:-1], encoded.offsets[1:],
+                    fast_simulation.kind_costs(costs, schedule.stages_per_rank), comm_time, encoded.num_stages,
+                    encoded.micro_batches, False, finish)
                 assert stuck == -1 and finish.max() == pytest.approx(reference.step_time, rel=1e-12)
                 checked += 1
     assert checked > 150
+
+
+def test_the_search_times_its_passes_as_the_simulator_times_them_with_their_transfers():
+    rng = random.Random(2)
+    for num_ranks, micro_batches in ((1, 3), (2, 4), (3, 7), (4, 8)):
+        for schedule in named_schedules(num_ranks, micro_batches):
+            costs = {kind: rng.uniform(0.1, 3.0) for kind in ("F", "I", "W")}
+            comm_time = rng.uniform(0.0, 0.5)
+            order, lengths = local_search._encode_passes(schedule)
+            starts = np.arange(num_ranks) * order.shape[1]
+            finish = np.zeros(num_ranks)
+            for run in (fast_simulation.finish_times, jit.compiled(fast_simulation.finish_times)):
+                assert run(order.reshape(-1, 3), starts, starts + lengths,
+                           local_search._pass_durations(costs, schedule.stages_per_rank), comm_time, schedule.num_stages,
+                           micro_batches, True, finish) == -1
+                # The order with its transfers, as search_order makes it.
+                actions = tuple(with_communication([Action(tuple(Kind)[kind], stage, micro_batch) for kind, stage,
+                                                    micro_batch in order[rank, :lengths[rank]]], schedule.num_stages)
+                                for rank in range(num_ranks))
+                split = dataclasses.replace(schedule, actions=actions)
+                step_time = fast_simulation.step_and_busy_times(split, costs, comm_time)[0]
+                assert finish.max() == pytest.approx(step_time, rel=1e-12), schedule.name
 
 
 def test_the_numba_simulator_reports_a_deadlock():
@@ -89,12 +122,12 @@ def test_the_plan_beats_zb_h1_at_1f1b_memory():
 def test_the_search_finds_the_same_order_in_numba_and_python(name, num_ranks, micro_batches, chunks):
     schedule = make_schedule(name, num_ranks, micro_batches, chunks)
     order, lengths = local_search._encode_passes(schedule)
-    chunk_costs = np.array([MEASURED[kind] / schedule.stages_per_rank for kind in ("F", "I", "W")])
+    durations = local_search._pass_durations(MEASURED, schedule.stages_per_rank)
     start = simulate(schedule, {**MEASURED, "B": MEASURED["I"] + MEASURED["W"]}).step_time
     found = []
-    for search in (local_search._search_python, jit.compiled(local_search._search_python)):
+    for search in (local_search._search_python, jit.compiled(local_search._search_python, fast_simulation.finish_times)):
         searched = order.copy()
-        step_time = search(searched, lengths, chunk_costs, schedule.num_stages, micro_batches,
+        step_time = search(searched, lengths, durations, schedule.num_stages, micro_batches,
                            num_ranks * schedule.stages_per_rank, 1500, 6, 1e-4 * start, 5e-3)
         found.append((step_time, searched))
     assert found[0][0] == found[1][0] < start

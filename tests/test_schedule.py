@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import re
 
 import pytest
 
-from pipecomm.schedules.schedule import Action, SCHEDULES, Schedule, forward_schedule, make_schedule, with_communication
+from pipecomm.schedules.schedule import (
+    COMPUTE_KINDS,
+    SCHEDULES,
+    Action,
+    Kind,
+    Schedule,
+    forward_schedule,
+    make_schedule,
+    with_communication,
+)
 from pipecomm.schedules.simulation import simulate
 from pipecomm.schedules.validation import validate
 
@@ -59,6 +69,18 @@ def test_action_prints_compactly():
     message = "Action: kind must be one of F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, not 'X'"
     with pytest.raises(ValueError, match=re.escape(message)):
         Action("X", 0, 0)
+
+
+def test_a_kind_is_its_string():
+    action = Action("SEND_F", 1, 2)
+    assert action.kind is Kind.SEND_F and action == Action(Kind.SEND_F, 1, 2)
+    assert hash(action) == hash(("SEND_F", 1, 2)) and action.kind == "SEND_F" and {"SEND_F": 0.5}[action.kind] == 0.5
+    assert f"{action.kind}" == str(action.kind) == "SEND_F" and str(action) == "SEND_F1.2"
+    assert repr(action) == "Action(kind='SEND_F', stage=1, micro_batch=2)"
+    assert COMPUTE_KINDS == ("F", "B", "I", "W") and all(kind.value == kind.name for kind in Kind)
+    schedule = make_schedule("zb-v", 4, 8)  # schedules are sent between processes
+    assert pickle.loads(pickle.dumps(schedule)) == schedule
+    assert pickle.loads(pickle.dumps(action)).kind is Kind.SEND_F
 
 
 def test_placement_is_looped():

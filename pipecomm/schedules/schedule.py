@@ -3,6 +3,7 @@ structural checks every schedule passes (``validation`` adds channel order and d
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -13,14 +14,39 @@ __all__ = [
     "COMPUTE_KINDS",
     "SCHEDULES",
     "Action",
+    "Kind",
     "Schedule",
     "forward_schedule",
     "make_schedule",
 ]
 
-COMPUTE_KINDS = ("F", "B", "I", "W")
-COMMUNICATION_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-FORWARD_KINDS = ("F", "SEND_F", "RECV_F")
+
+class Kind(str, enum.Enum):
+    """What an action does (``Action`` tells each). A kind is the string of its name: it equals and hashes as that
+    string, so that "F" works wherever Kind.F does (as a ``costs`` key, in comparisons), and arrays encode it by its
+    place in this order."""
+
+    F = "F"
+    B = "B"
+    I = "I"
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    # str's own, not Enum's "Kind.F": actions print, format and repr as they did when kinds were plain strings
+    # (enum.StrEnum, Python 3.11 on, would do the first two but keep Enum's repr).
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __repr__ = str.__repr__
+
+
+# Each kind by itself or its string: a dictionary finds it several times sooner than Kind(string) does.
+_KINDS = {kind: kind for kind in Kind}
+COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
+COMMUNICATION_KINDS = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
+FORWARD_KINDS = (Kind.F, Kind.SEND_F, Kind.RECV_F)
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
 
 # Schedules that run a steady state need every rank to have finished its warm-up before the first
@@ -46,14 +72,16 @@ class Action:
     s's output.
     """
 
-    kind: str
+    kind: Kind  # or its string, made the Kind
     stage: int
     micro_batch: int
 
     def __post_init__(self) -> None:
-        if self.kind not in COMPUTE_KINDS + COMMUNICATION_KINDS:
-            known = ", ".join(COMPUTE_KINDS + COMMUNICATION_KINDS)
-            raise ValueError(f"Action: kind must be one of {known}, not {self.kind!r}")
+        kind = _KINDS.get(self.kind) if isinstance(self.kind, str) else None
+        if kind is None:
+            raise ValueError(f"Action: kind must be one of {', '.join(Kind)}, not {self.kind!r}")
+        if kind is not self.kind:
+            object.__setattr__(self, "kind", kind)
 
     def __str__(self) -> str:
         return f"{self.kind}{self.stage}.{self.micro_batch}"
@@ -186,7 +214,7 @@ def forward_schedule(num_ranks: int, micro_batches: int, placement: tuple[int, .
             passes.append((start + stage, stage, micro_batch))
     orders: list[list[Action]] = [[] for _ in range(num_ranks)]
     for _, stage, micro_batch in sorted(passes):
-        orders[placement[stage]].append(Action("F", stage, micro_batch))
+        orders[placement[stage]].append(Action(Kind.F, stage, micro_batch))
     actions = tuple(with_communication(order, num_stages) for order in orders)
     return Schedule("forward", num_ranks, num_stages, micro_batches, actions, tuple(placement), forward_only=True)
 
@@ -225,8 +253,8 @@ def _check_schedule_arguments(name: str, num_ranks: int, micro_batches: int, vir
 
 
 def _gpipe_order(rank: int, num_ranks: int, micro_batches: int, virtual_stages: int) -> list[Action]:
-    forwards = [Action("F", rank, micro_batch) for micro_batch in range(micro_batches)]
-    backwards = [Action("B", rank, micro_batch) for micro_batch in range(micro_batches)]
+    forwards = [Action(Kind.F, rank, micro_batch) for micro_batch in range(micro_batches)]
+    backwards = [Action(Kind.B, rank, micro_batch) for micro_batch in range(micro_batches)]
     return forwards + backwards
 
 
@@ -245,8 +273,8 @@ def _one_f_one_b_order(rank: int, num_ranks: int, micro_batches: int, virtual_st
     # Rank r's p - r - 1 warm-up forwards keep the ranks after it busy until the first backward
     # comes back; the backwards of the last micro-batches drain at the end.
     return _warmup_then_alternate(
-        lambda micro_batch: Action("F", rank, micro_batch),
-        lambda micro_batch: [Action("B", rank, micro_batch)],
+        lambda micro_batch: Action(Kind.F, rank, micro_batch),
+        lambda micro_batch: [Action(Kind.B, rank, micro_batch)],
         num_ranks - rank - 1,
         micro_batches,
     )
@@ -264,11 +292,11 @@ def _interleaved_order(rank: int, num_ranks: int, micro_batches: int, virtual_st
 
     def forward(virtual: int) -> Action:
         chunk = virtual // num_ranks % virtual_stages
-        return Action("F", chunk * num_ranks + rank, micro_batch_of(virtual))
+        return Action(Kind.F, chunk * num_ranks + rank, micro_batch_of(virtual))
 
     def backward(virtual: int) -> list[Action]:
         chunk = virtual_stages - 1 - virtual // num_ranks % virtual_stages
-        return [Action("B", chunk * num_ranks + rank, micro_batch_of(virtual))]
+        return [Action(Kind.B, chunk * num_ranks + rank, micro_batch_of(virtual))]
 
     num_warmup = min((num_ranks - rank - 1) * 2 + (virtual_stages - 1) * num_ranks, num_virtual)
     return _warmup_then_alternate(forward, backward, num_warmup, num_virtual)
@@ -279,14 +307,14 @@ def _zb_h1_order(rank: int, num_ranks: int, micro_batches: int, virtual_stages: 
     # micro-batches late. Every rank then holds num_ranks activations at its peak, the most any rank
     # holds in 1F1B (rank 0), and the late Ws fill the cool-down, where later ranks would idle.
     def input_then_late_weight(micro_batch: int) -> list[Action]:
-        late = [Action("W", rank, micro_batch - rank)] if micro_batch >= rank else []
-        return [Action("I", rank, micro_batch)] + late
+        late = [Action(Kind.W, rank, micro_batch - rank)] if micro_batch >= rank else []
+        return [Action(Kind.I, rank, micro_batch)] + late
 
     order = _warmup_then_alternate(
-        lambda micro_batch: Action("F", rank, micro_batch), input_then_late_weight, num_ranks - rank - 1,
+        lambda micro_batch: Action(Kind.F, rank, micro_batch), input_then_late_weight, num_ranks - rank - 1,
         micro_batches,
     )
-    return order + [Action("W", rank, micro_batch) for micro_batch in range(micro_batches - rank, micro_batches)]
+    return order + [Action(Kind.W, rank, micro_batch) for micro_batch in range(micro_batches - rank, micro_batches)]
 
 
 _COMPUTE_ORDERS: dict[str, Callable[[int, int, int, int], list[Action]]] = {
@@ -297,39 +325,42 @@ _COMPUTE_ORDERS: dict[str, Callable[[int, int, int, int], list[Action]]] = {
 }
 
 
+# The passes that pass data along the pipeline: the transfer that brings what each consumes, the one that takes what it
+# produces on, and which way they go (+1: to the next stage, -1: back to the one before).
+_TRANSFERS = {Kind.F: (Kind.RECV_F, Kind.SEND_F, 1), Kind.B: (Kind.RECV_B, Kind.SEND_B, -1),
+              Kind.I: (Kind.RECV_B, Kind.SEND_B, -1)}
+
+
 def with_communication(compute_order: list[Action], num_stages: int) -> tuple[Action, ...]:
     """A rank's compute passes with their transfers: each RECV right before its consumer, each SEND right after its producer."""
-    last_stage = num_stages - 1
     actions: list[Action] = []
     for action in compute_order:
+        if action.kind not in _TRANSFERS:
+            actions.append(action)
+            continue
+        receive, send, way = _TRANSFERS[action.kind]
         stage, micro_batch = action.stage, action.micro_batch
-        is_backward = action.kind in ("B", "I")
-        if action.kind == "F" and stage > 0:
-            actions.append(Action("RECV_F", stage, micro_batch))
-        if is_backward and stage < last_stage:
-            actions.append(Action("RECV_B", stage, micro_batch))
+        if 0 <= stage - way < num_stages:
+            actions.append(Action(receive, stage, micro_batch))
         actions.append(action)
-        if action.kind == "F" and stage < last_stage:
-            actions.append(Action("SEND_F", stage, micro_batch))
-        if is_backward and stage > 0:
-            actions.append(Action("SEND_B", stage, micro_batch))
+        if 0 <= stage + way < num_stages:
+            actions.append(Action(send, stage, micro_batch))
     return tuple(actions)
+
+
+# Each transfer kind's other end: its kind, and its stage less this end's.
+_COUNTERPARTS = {Kind.SEND_F: (Kind.RECV_F, 1), Kind.RECV_F: (Kind.SEND_F, -1), Kind.SEND_B: (Kind.RECV_B, -1),
+                 Kind.RECV_B: (Kind.SEND_B, 1)}
 
 
 def counterpart(transfer: Action) -> Action:
     """The other end of a transfer: the RECV that a SEND feeds, or the SEND that a RECV waits for."""
-    stage, micro_batch = transfer.stage, transfer.micro_batch
-    if transfer.kind == "SEND_F":
-        return Action("RECV_F", stage + 1, micro_batch)
-    if transfer.kind == "RECV_F":
-        return Action("SEND_F", stage - 1, micro_batch)
-    if transfer.kind == "SEND_B":
-        return Action("RECV_B", stage - 1, micro_batch)
-    return Action("SEND_B", stage + 1, micro_batch)
+    kind, stage_offset = _COUNTERPARTS[transfer.kind]
+    return Action(kind, transfer.stage + stage_offset, transfer.micro_batch)
 
 
 CHANNEL_NAMES = {"act": "activation", "grad": "gradient"}
 
 
 def channel_kind(transfer: Action) -> str:
-    return "act" if transfer.kind in ("SEND_F", "RECV_F") else "grad"
+    return "act" if transfer.kind in FORWARD_KINDS else "grad"

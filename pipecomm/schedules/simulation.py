@@ -1,4 +1,4 @@
-"""Timing a schedule: every rank's actions run event by event under the runtime's blocking rules."""
+"""Timing a schedule, the reference: every rank's actions run event by event under the runtime's blocking rules."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from pipecomm.schedules.schedule import CHANNEL_NAMES, Action, Schedule, channel_kind, counterpart
+from pipecomm.schedules.schedule import CHANNEL_NAMES, Action, Kind, Schedule, channel_kind, counterpart
 from pipecomm.schedules.structure import check_structure
 
 __all__ = ["DEFAULT_COSTS", "SimulationResult", "peak_memory", "simulate"]
@@ -187,13 +187,14 @@ def execute(
     return timeline, finish_times
 
 
+# An activation is held from its F until the pass that last reads it: B, or W when B is split.
+_ACTIVATIONS_HELD = {Kind.F: 1, Kind.B: -1, Kind.W: -1}
+
+
 def _peak_activations(program: tuple[Action, ...]) -> int:
-    # An activation is held from its F until the pass that last reads it: B, or W when B is split.
     live = peak = 0
     for action in program:
-        if action.kind == "F":
-            live += 1
-            peak = max(peak, live)
-        elif action.kind in ("B", "W"):
-            live -= 1
+        live += _ACTIVATIONS_HELD.get(action.kind, 0)
+        if live > peak:
+            peak = live
     return peak

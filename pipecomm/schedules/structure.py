@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pipecomm.schedules.schedule import COMPUTE_KINDS, FORWARD_KINDS, Action, Schedule, counterpart
+from pipecomm.schedules.schedule import COMPUTE_KINDS, FORWARD_KINDS, Action, Kind, Schedule, counterpart
 
 __all__: list[str] = []
 
@@ -40,16 +40,16 @@ def check_structure(schedule: Schedule) -> None:
         for micro_batch in range(schedule.micro_batches):
             _check_passes(stage, micro_batch, positions, schedule.forward_only)
             # Each compute pass with the transfers that feed it and carry its result on.
-            needs = [("F", "RECV_F", stage > 0), ("F", "SEND_F", stage < last_stage)]
+            needs = [(Kind.F, Kind.RECV_F, stage > 0), (Kind.F, Kind.SEND_F, stage < last_stage)]
             if not schedule.forward_only:
-                backward_kind = "B" if Action("B", stage, micro_batch) in positions else "I"
-                needs += [(backward_kind, "RECV_B", stage < last_stage), (backward_kind, "SEND_B", stage > 0)]
+                backward_kind = Kind.B if Action(Kind.B, stage, micro_batch) in positions else Kind.I
+                needs += [(backward_kind, Kind.RECV_B, stage < last_stage), (backward_kind, Kind.SEND_B, stage > 0)]
             for compute_kind, transfer_kind, needed in needs:
                 compute = Action(compute_kind, stage, micro_batch)
                 transfer = Action(transfer_kind, stage, micro_batch)
                 if needed and transfer not in positions:
                     peer = counterpart(transfer)
-                    purpose = "to receive" if transfer_kind.startswith("RECV") else "to feed"
+                    purpose = "to receive" if transfer_kind in (Kind.RECV_F, Kind.RECV_B) else "to feed"
                     raise ValueError(
                         f"{compute} on rank {positions[compute][0]} has no {transfer} {purpose} {peer} "
                         f"on rank {schedule.stage_rank(peer.stage)}"
@@ -76,33 +76,26 @@ def check_structure(schedule: Schedule) -> None:
 def _check_passes(stage: int, micro_batch: int, positions: Mapping[Action, tuple[int, int]], forward_only: bool) -> None:
     present = {kind for kind in COMPUTE_KINDS if Action(kind, stage, micro_batch) in positions}
     where = f"stage {stage}, micro-batch {micro_batch}"
-    if "F" not in present:
+    if Kind.F not in present:
         raise ValueError(f"{where} has no forward F{stage}.{micro_batch}")
     if forward_only:
         return
-    if "B" in present and present & {"I", "W"}:
-        split = " and ".join(f"{kind}{stage}.{micro_batch}" for kind in ("I", "W") if kind in present)
+    if Kind.B in present and present & {Kind.I, Kind.W}:
+        split = " and ".join(f"{kind}{stage}.{micro_batch}" for kind in (Kind.I, Kind.W) if kind in present)
         raise ValueError(f"{where} mixes a full backward B{stage}.{micro_batch} with {split}")
-    if "B" not in present and present != {"F", "I", "W"}:
+    if Kind.B not in present and present != {Kind.F, Kind.I, Kind.W}:
         raise ValueError(
             f"{where} has no complete backward: needs B{stage}.{micro_batch}, "
             f"or both I{stage}.{micro_batch} and W{stage}.{micro_batch}"
         )
 
 
+# The kinds of the same stage and micro-batch that an action of each kind needs before it on its rank.
+_LOCAL_PREREQUISITES = {Kind.F: (Kind.RECV_F,), Kind.B: (Kind.F, Kind.RECV_B), Kind.I: (Kind.F, Kind.RECV_B),
+                        Kind.W: (Kind.I,), Kind.SEND_F: (Kind.F,), Kind.SEND_B: (Kind.B, Kind.I), Kind.RECV_F: (),
+                        Kind.RECV_B: ()}
+
+
 def _local_prerequisites(action: Action) -> tuple[Action, ...]:
     """Actions of the same rank that must come before ``action`` (those absent from the schedule are skipped)."""
-    stage, micro_batch = action.stage, action.micro_batch
-    if action.kind == "F":
-        kinds: tuple[str, ...] = ("RECV_F",)
-    elif action.kind in ("B", "I"):
-        kinds = ("F", "RECV_B")
-    elif action.kind == "W":
-        kinds = ("I",)
-    elif action.kind == "SEND_F":
-        kinds = ("F",)
-    elif action.kind == "SEND_B":
-        kinds = ("B", "I")
-    else:
-        kinds = ()
-    return tuple(Action(kind, stage, micro_batch) for kind in kinds)
+    return tuple(Action(kind, action.stage, action.micro_batch) for kind in _LOCAL_PREREQUISITES[action.kind])
