@@ -29,8 +29,10 @@ $(EXTENSION_STAMP): setup.py pyproject.toml $(shell find csrc -type f) | deps
 	$(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
 	@mkdir -p build && touch $@
 
+# -O1 without debug info: the native tests check protocols, not speed, and build in 2/3 of the time (86 vs 130
+# CPU seconds); the ThreadSanitizer builds keep line tables (-g1) for their reports.
 native-build: | deps
-	cmake -S . -B $(NATIVE_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython3_EXECUTABLE=$$(command -v $(PYTHON))
+	cmake -S . -B $(NATIVE_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG" -DPython3_EXECUTABLE=$$(command -v $(PYTHON))
 	cmake --build $(NATIVE_BUILD)
 
 native-test: native-build

@@ -67,7 +67,9 @@ def make_extension():
     cuda, reason = use_cuda()
     python_glue = sources["python"] + (sources["cuda_python"] if cuda else [])
     files = [unity_source("core", sources["core"]), unity_source("python", python_glue), *sources["transport"]]
-    compile_args = {"cxx": ["-O3", "-std=c++17"]}
+    # -g0 overrides the -g of Python's own CFLAGS: debug info for torch's and pybind11's templates doubled the
+    # compile time of the Python glue (55 -> 28 s on one core).
+    compile_args = {"cxx": ["-O3", "-std=c++17", "-g0"]}
     macros = []
     if cuda:
         files += sources["cuda"] + sources["cuda_transport"]
