@@ -35,19 +35,23 @@ COLUMNS = ["p", "mode", "layers", "peak_GiB", "above_base_GiB", "kept_MiB", "ms_
            "time/none"]
 
 
-class _Kept(stage_runner._SavedStorages):
-    """The executor's record of what autograd saves, also adding up the bytes of each new storage."""
+class _Kept:
+    """Adds up the bytes of each new storage autograd saves during a forward, parameters aside."""
 
     def __init__(self, parameters: set[int]):
-        super().__init__()
         self.parameters = parameters
+        self.pointers: set[int] = set()
         self.nbytes = 0
 
+    def observe(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        pointer = stage_runner._storage_pointer(tensor)
+        pointer = tensor.untyped_storage().data_ptr()
         if pointer not in self.pointers and pointer not in self.parameters:
+            self.pointers.add(pointer)
             self.nbytes += tensor.untyped_storage().nbytes()
-        return super()._pack(tensor)
+        return tensor.detach()  # as autograd would hold it: a new tensor on the same storage
 
 
 def measure(config_name: str, p: int, mode: str, device: torch.device, dtype: torch.dtype, warmup: int,
@@ -69,7 +73,8 @@ def measure(config_name: str, p: int, mode: str, device: torch.device, dtype: to
             saved = _Kept(parameters)
             with saved.observe():
                 output = module(x)
-            stage_runner._free_storage([output], saved)  # as after its send
+            for sent in stage_runner._held_only_by_themselves([output]):  # as after its send
+                sent.data = torch.empty((1,), dtype=sent.dtype, device=sent.device)
             outputs.append(output)
             kept.append(saved.nbytes)
         for output, grad in zip(outputs, output_grads):

@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import gc
-import weakref
 
 import pytest
 import torch
@@ -232,7 +230,7 @@ def linear_of_hidden(num_stages: int) -> list[nn.Module]:
 def saved_outputs(rank: int, world_size: int) -> str:
     train_like_one_process(rank, world_size, scale_times_hidden, float_batch, mse)
     train_like_one_process(rank, world_size, linear_of_hidden, float_batch, mse)
-    # Compiled stages save through AOT autograd's own function, which the saved-tensor hooks see too.
+    # Compiled stages save through AOT autograd's own function: one more user of what it saves.
     return train_like_one_process(rank, world_size, scale_times_hidden, float_batch, mse, (("1f1b", 1),),
                                   prepare=functools.partial(torch.compile, backend="aot_eager"))
 
@@ -241,44 +239,49 @@ def test_an_output_autograd_saved_keeps_its_data_after_the_send(tmp_path):
     run_ranks(2, saved_outputs, tmp_path, timeout=120)
 
 
-def test_only_outputs_no_saved_tensor_shares_are_freed():
+def sent(outputs: list[torch.Tensor], freeable: list[torch.Tensor]) -> list[bool]:
+    """Which of ``outputs`` lost their data when the executor freed ``freeable`` after their send."""
+    pointers = [tensor.untyped_storage().data_ptr() for tensor in outputs]
+    for tensor in freeable:
+        tensor.data = torch.empty((1,), dtype=tensor.dtype)
+    return [tensor.untyped_storage().data_ptr() != pointer for tensor, pointer in zip(outputs, pointers)]
+
+
+def test_only_outputs_nothing_else_holds_are_freed():
     x = torch.randn(4, HIDDEN, requires_grad=True)
     scale = torch.randn(HIDDEN, requires_grad=True)
-    saved = stage_runner._SavedStorages()
-    with saved.observe():
-        h = torch.tanh(x)  # tanh saves its own output
-        product = h * scale  # saves h (and scale)
-        summed = product + 1  # saved by nothing
-        recomputed = product - 1
-        checkpoint(torch.sin, recomputed, use_reentrant=False)  # keeps its input for the recomputation
-        view = summed[:2]
-    outputs = [summed, h, recomputed, view, x, summed]  # a view, a leaf, one output twice
-    pointers = [tensor.untyped_storage().data_ptr() for tensor in outputs]
-    stage_runner._free_storage(outputs, saved)
-    freed = [tensor.untyped_storage().data_ptr() != pointer for tensor, pointer in zip(outputs, pointers)]
-    assert freed == [True, False, False, False, False, True]
+    h = torch.tanh(x)  # tanh saves its own output
+    product = h * scale  # saves h (and scale)
+    summed = product + 1  # saved by nothing
+    recomputed = product - 1
+    sine = checkpoint(torch.sin, recomputed, use_reentrant=False)  # keeps its input for the recomputation
+    alone = summed * 2  # saved by nothing, no view of it
+    view = summed[:2]  # holds summed's memory: freeing summed would give back nothing
+    outputs = [alone, h, recomputed, view, x, summed, alone]  # a view, a leaf, one output twice
+    freeable = stage_runner._held_only_by_themselves(outputs)
+    assert sent(outputs, freeable) == [True, False, False, False, False, False, True]
     torch.testing.assert_close(view, (product + 1)[:2])
-
-    # A forward whose saved tensors were not observed (a CUDA-graph replay) keeps all its outputs.
-    unobserved = torch.tanh(x) * 2
-    pointer = unobserved.untyped_storage().data_ptr()
-    stage_runner._free_storage([unobserved], None)
-    assert unobserved.untyped_storage().data_ptr() == pointer
+    sine.sum().backward()  # reads the kept input
+    tanh = torch.tanh(x.detach())
+    torch.testing.assert_close(x.grad, torch.cos(tanh * scale.detach() - 1) * scale.detach() * (1 - tanh ** 2))
 
 
-def test_observing_what_autograd_saves_makes_no_reference_cycle():
-    """An output an op saved for backward (tanh's) must go with its last reference, not wait for the garbage collector."""
-    x = torch.randn(4, requires_grad=True)
-    saved = stage_runner._SavedStorages()
-    gc.disable()
-    try:
-        with saved.observe():
-            output = torch.tanh(x)
-        alive = weakref.ref(output)
-        del output
-        assert alive() is None
-    finally:
-        gc.enable()
+def test_nothing_is_freed_under_the_callers_saved_tensor_hooks():
+    """An identity pack hook keeps the output object itself, which no use count shows."""
+    x = torch.randn(4, HIDDEN, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor):
+        output = x * 2
+        output.sin()  # saves its input, the output, as the hook returned it
+        assert stage_runner._held_only_by_themselves([output]) == []
+    assert stage_runner._held_only_by_themselves([x * 2]) != []
+
+
+def test_an_output_a_compiled_region_saved_is_kept():
+    x = torch.randn(4, HIDDEN, requires_grad=True)
+    region = torch.compile(lambda t: torch.tanh(t) * 2, backend="aot_eager")
+    output = region(x)
+    others = torch.compile(lambda t: torch.tanh(t), backend="aot_eager")(x)  # saves its output for tanh's backward
+    assert sent([output, others], stage_runner._held_only_by_themselves([output, others])) == [True, False]
 
 
 # -- what crosses a boundary --------------------------------------------------------------------

@@ -7,7 +7,9 @@ import torch
 from pipecomm.splitting.capture import CapturedStage
 from pipecomm.runtime.compiled_modules import replaying_inductor_graphs
 from pipecomm.splitting.partition import StageModule
-from pipecomm.schedules.schedule import SCHEDULES, Schedule, looped_placement
+from pipecomm.schedules.auto_schedule import initial_schedule
+from pipecomm.schedules.schedule import SCHEDULES, Schedule, looped_placement, make_schedule
+from pipecomm.schedules.validation import validate
 
 __all__: list[str] = []
 
@@ -82,3 +84,17 @@ def module_device(modules) -> torch.device:
         for param in module.parameters():
             return param.device
     return torch.device("cpu")
+
+
+def starting_schedule(schedule: str | Schedule, num_ranks: int, micro_batches: int, stages: list[int],
+                      rank: int) -> Schedule:
+    """The schedule a Pipeline starts with (for "auto", the one it measures with), checked against this rank's stages."""
+    if isinstance(schedule, Schedule):
+        chosen = schedule
+    elif schedule == "auto":
+        chosen = initial_schedule(num_ranks, micro_batches, stages, rank)
+    else:
+        chosen = make_schedule(schedule, num_ranks, micro_batches, len(stages))
+    check_schedule(chosen, stages, rank, micro_batches)
+    validate(chosen)
+    return chosen

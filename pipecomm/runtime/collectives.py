@@ -1,5 +1,5 @@
 """The collectives of a pipeline's ranks: the loss and the inference result broadcast from the last stage, the
-all-reduces of the gradient norm and the measured costs, each bounded by the fail-fast protocol."""
+all-reduces of the gradient norm and the measured costs, each bounded by the fail-fast protocol; the trace's gather."""
 
 from __future__ import annotations
 
@@ -78,6 +78,14 @@ class PipelineCollectives:
             codec.unpack_payload(payload)
         layout, _ = boundary.deserialize(described[meta_bytes:].numpy().tobytes())
         return boundary.unflatten(tensors, layout)
+
+    def gather_at_first_rank(self, value, num_ranks: int) -> list | None:
+        """Every rank's picklable ``value``, in rank order, on pipeline rank 0 (None on the others)."""
+        if num_ranks == 1:
+            return [value]
+        gathered = [None] * num_ranks if self.rank == 0 else None
+        dist.gather_object(value, gathered, dst=global_rank(self.group, 0), group=self.group)
+        return gathered
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp, what: str) -> None:
         """In place, over the pipeline group."""

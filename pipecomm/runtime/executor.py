@@ -14,7 +14,8 @@ from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.microbatch import check_received_batch, check_target_batch
-from pipecomm.schedules.schedule import Action, Schedule
+from pipecomm.schedules.schedule import Action, Schedule, forward_schedule
+from pipecomm.schedules.validation import validate
 from pipecomm.runtime.split_backward import WeightGradStore
 from pipecomm.runtime.stage_runner import EagerStage, GraphedRunner
 from pipecomm.transport.channel import Channel, ChannelError
@@ -45,7 +46,6 @@ class StageExecutor:
         self.loss_fn = loss_fn
         self.last_stage = schedule.num_stages - 1
         self.on_stage_backward_done = on_stage_backward_done
-        self.weight_grad_store = weight_grad_store
         self.device_timeline = device_timeline
         self.stages: dict[int, EagerStage] = {}
         for stage, module in modules.items():
@@ -58,6 +58,7 @@ class StageExecutor:
             else:
                 self.stages[stage] = EagerStage(module, sinks[stage], stage, loss, store, rank)
         self.timeline: list[tuple[float, float, Action]] = []
+        self._forward_schedules: dict[int, Schedule] = {}  # inference's, per micro-batch count
         self._handlers = {
             "F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight,
             "SEND_F": self._send_forward, "RECV_F": self._recv_forward,
@@ -65,12 +66,11 @@ class StageExecutor:
         }
 
     def switch_schedule(self, schedule: Schedule, device_timing: bool) -> None:
-        """From the next step on, ``schedule`` (on the same placement); without I passes for this rank it needs no
+        """From the next step on, ``schedule`` (on the same placement); a stage it gives no I pass needs no
         weight-gradient store, and without ``device_timing`` no device timeline."""
         self.schedule = schedule
-        if not any(action.kind == "I" for action in schedule.actions[self.rank]):
-            self.weight_grad_store = None
-            for runner in self.stages.values():
+        for stage, runner in self.stages.items():
+            if not any(action.kind == "I" and action.stage == stage for action in schedule.actions[self.rank]):
                 runner.weight_grad_store = None
         if not device_timing:
             self.device_timeline = None
@@ -84,8 +84,6 @@ class StageExecutor:
         last one checks that its targets' batch size, ``target_batch``, matches.
         """
         self._start(inputs, targets, batch_size, target_batch, self.schedule.micro_batches)
-        if self.weight_grad_store:
-            self.weight_grad_store.new_step()
         if self.last_stage in self.stages:
             check_target_batch(batch_size, target_batch)  # a one-rank pipeline's own batch; the others' arrives with it
         self.timeline = []
@@ -106,8 +104,8 @@ class StageExecutor:
             device.end_step()
         return self._loss
 
-    def infer(self, inputs: list[tuple[tuple, dict]] | None, forward_schedule: Callable[[int], Schedule]) -> list | None:
-        """Inference over ``forward_schedule(micro_batches)``; returns the last stage's output of each micro-batch
+    def infer(self, inputs: list[tuple[tuple, dict]] | None) -> list | None:
+        """Inference over the forward-only schedule on this schedule's placement; returns the last stage's output of each micro-batch
         (None on a rank without the last stage).
 
         ``inputs`` are given on the first stage's rank; a rank without that stage learns how many micro-batches
@@ -123,10 +121,19 @@ class StageExecutor:
         else:
             self._micro_batches = len(inputs)
         handlers = {"F": self._infer, "SEND_F": self._send_inferred, "RECV_F": self._recv_forward}
-        for action in forward_schedule(self._micro_batches).actions[self.rank]:
+        for action in self._forward_schedule(self._micro_batches).actions[self.rank]:
             if action != first_message:
                 handlers[action.kind](action.stage, action.micro_batch)
         return self._inferred if self.last_stage in self.stages else None
+
+    def _forward_schedule(self, micro_batches: int) -> Schedule:
+        """Inference's schedule for ``micro_batches``, built and validated once per count."""
+        schedule = self._forward_schedules.get(micro_batches)
+        if schedule is None:
+            schedule = forward_schedule(self.schedule.num_ranks, micro_batches, self.schedule.placement)
+            validate(schedule)
+            self._forward_schedules[micro_batches] = schedule
+        return schedule
 
     def _start(self, inputs, targets, batch_size: int | None, target_batch: int | None,
                micro_batches: int | None) -> None:

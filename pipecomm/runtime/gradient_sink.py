@@ -48,6 +48,13 @@ class GradientSink:
                 offset += param.numel()
 
     @property
+    def autograd_accumulates(self) -> bool:
+        """Whether a backward may leave the accumulation to autograd (``.grad``, as ``loss.backward()`` does): the
+        same sums in the same order as ``add``, with no gradient handed back to Python. Not for ``main_grad``
+        buffers, nor for FSDP's gathered parameters, whose gradients go to its reduce-scatter."""
+        return not self.main_grad and self._live is None
+
+    @property
     def params(self) -> list[nn.Parameter]:
         return list(self._live.parameters()) if self._live is not None else self._params
 

@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 
 from pipecomm.runtime import boundary
 
-__all__ = ["Batch", "batch_size", "join", "split"]
+__all__ = ["Batch", "batch_size", "join", "split", "split_step"]
 
 
 def split(batch: Any, micro_batches: int, what: str, device: torch.device | None = None, *,
@@ -37,6 +37,26 @@ def split(batch: Any, micro_batches: int, what: str, device: torch.device | None
         flat = flat._replace(tensors=[tensor.to(device, non_blocking=True) for tensor in flat.tensors])
     chunks = [tensor.tensor_split(micro_batches, dim=0) for tensor in flat.tensors]
     return [boundary.unflatten([parts[index] for parts in chunks], flat.layout) for index in range(micro_batches)]
+
+
+def split_step(inputs: tuple, kwargs: dict, target: Any, micro_batches: int, device: torch.device, *, first: bool,
+               last: bool) -> tuple[list | None, list | None, int | None, int | None]:
+    """A training step's arguments split where this rank reads them: the first stage's inputs and keyword arguments,
+    the last stage's targets (a tuple: several); and the batch size of each (None where not read)."""
+    split_inputs = split_targets = batch = target_batch = None
+    if first:
+        if not inputs and not kwargs:
+            raise ValueError("step: the first stage needs the batch inputs")
+        batch_inputs = Batch(inputs, kwargs)
+        batch = batch_size(batch_inputs, "")
+        split_inputs = split(batch_inputs, micro_batches, "", device)
+    if last:
+        if target is None:
+            raise ValueError("step: the last stage needs target=")
+        targets = target if isinstance(target, tuple) else (target,)
+        target_batch = batch_size(targets, "target")
+        split_targets = split(targets, micro_batches, "target", device)
+    return split_inputs, split_targets, batch, target_batch
 
 
 def batch_size(batch: Any, what: str) -> int | None:

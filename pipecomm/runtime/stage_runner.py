@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,7 +23,7 @@ class MicroBatch:
     received: boundary.Received | None = None  # the message its forward reads (not on the first stage)
     inputs: list[torch.Tensor] = field(default_factory=list)  # the received tensors that gradients answer
     outputs: boundary.Flat | None = None  # the forward's output (the loss on the last stage) until the backward
-    saved: _SavedStorages | None = None  # what autograd saved, until the outputs' send frees what it does not hold
+    freeable: list[torch.Tensor] = field(default_factory=list)  # outputs whose data their send may drop
     output_grads: tuple | None = None  # the gradients of the outputs, received (the loss's: ones)
     input_grads: tuple | None = None  # the gradients of ``inputs`` until they are sent
     deferrals: list[Deferral] = field(default_factory=list)  # the Linear layers that deferred in the forward
@@ -45,8 +44,10 @@ class EagerStage:
         self.micro_batches: dict[int, MicroBatch] = {}
 
     def start(self) -> None:
-        """A new step or inference: nothing held."""
+        """A new step or inference: nothing held, and the weights' aliases made afresh."""
         self.micro_batches = {}
+        if self.weight_grad_store:
+            self.weight_grad_store.new_step()
 
     def record(self, micro_batch: int) -> MicroBatch:
         held = self.micro_batches.get(micro_batch)
@@ -63,15 +64,14 @@ class EagerStage:
         store = self.weight_grad_store
         if store:
             store.recording = held.deferrals
-        saved = None if self.scaled_loss else _SavedStorages()
         try:
-            with saved.observe() if saved else contextlib.nullcontext():
-                output = self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
         finally:
             if store:
                 store.recording = None
         if self.scaled_loss is None:
-            held.outputs, held.saved = boundary.stage_output(output), saved
+            held.outputs = boundary.stage_output(output)
+            held.freeable = _held_only_by_themselves(held.outputs.tensors)
             return None
         loss = self.scaled_loss(output, *targets)
         held.outputs, held.output_grads = boundary.flatten(loss), (torch.ones_like(loss),)
@@ -88,8 +88,10 @@ class EagerStage:
     def outputs_sent(self, micro_batch: int) -> None:
         """The forward's outputs were sent: their data goes where no backward reads it."""
         held = self.micro_batches[micro_batch]
-        _free_storage(held.outputs.tensors, held.saved)
-        held.saved = None
+        for tensor in held.freeable:
+            # Megatron's deallocate_output_tensor: the autograd node lives on, the data goes.
+            tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)
+        held.freeable = []
 
     def backward(self, micro_batch: int) -> None:
         """The whole backward: input gradients and every parameter's, accumulated into the sink."""
@@ -120,14 +122,25 @@ class EagerStage:
         """Backward of a micro-batch towards the stage's inputs and its parameters that require grad."""
         outputs, grads, inputs = held.outputs.tensors, held.output_grads, held.inputs
         held.outputs = held.output_grads = None
-        wanted = [tensor for tensor in inputs if tensor.requires_grad]
-        params = [p for p in self.sink.params if p.requires_grad]
-        results = run_backward(outputs, grads, wanted + params, keep_graph=False)
-        if self.index > 0:  # the first stage's inputs are data
-            remaining = iter(results[: len(wanted)])
-            held.input_grads = tuple(next(remaining) if tensor.requires_grad else None for tensor in inputs)
         held.inputs = []
-        self.sink.add(results[len(wanted):], params)
+        wanted = [tensor for tensor in inputs if tensor.requires_grad]
+        # Where Linear layers defer, their weight aliases are leaves too: only the sink's parameters are asked for.
+        if self.sink.autograd_accumulates and self.weight_grad_store is None:
+            run_backward(outputs, grads, (), keep_graph=False, accumulate=True)
+            input_grads = [_take_grad(tensor) for tensor in wanted]
+        else:
+            params = [p for p in self.sink.params if p.requires_grad]
+            results = run_backward(outputs, grads, wanted + params, keep_graph=False)
+            input_grads = results[: len(wanted)]
+            self.sink.add(results[len(wanted):], params)
+        if self.index > 0:  # the first stage's inputs are data
+            remaining = iter(input_grads)
+            held.input_grads = tuple(next(remaining) if tensor.requires_grad else None for tensor in inputs)
+
+
+def _take_grad(tensor: torch.Tensor) -> torch.Tensor | None:
+    grad, tensor.grad = tensor.grad, None
+    return grad
 
 
 class GraphedRunner(EagerStage):
@@ -168,70 +181,46 @@ class GraphedRunner(EagerStage):
 
 
 def run_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor],
-                 keep_graph: bool) -> tuple:
-    """Gradients of ``outputs`` w.r.t. ``inputs`` without accumulating into ``.grad``.
+                 keep_graph: bool, accumulate: bool = False) -> tuple:
+    """Gradients of ``outputs`` w.r.t. ``inputs``, returned without accumulating into ``.grad``; or, with
+    ``accumulate`` (and no ``inputs``), accumulated into every leaf's ``.grad`` as ``loss.backward()`` does.
 
     Goes to the autograd engine directly, as Megatron does, because the outputs' storage was freed
     after they were sent and torch.autograd.grad would reject their placeholder shapes. An output
     without a gradient (the next stage did not use it) contributes nothing.
     """
     pairs = [(out, grad) for out, grad in zip(outputs, grads) if out.requires_grad and grad is not None]
-    if not pairs or not inputs:
+    if not pairs or not (inputs or accumulate):
         return (None,) * len(inputs)
     tensors, grad_tensors = zip(*pairs)
     return torch.autograd.Variable._execution_engine.run_backward(
-        tensors, grad_tensors, keep_graph, False, tuple(inputs), True, False
+        tensors, grad_tensors, keep_graph, False, tuple(inputs), True, accumulate
     )
 
 
-class _SavedStorages:
-    """The storages of the tensors autograd saves for backward during a forward, seen by saved-tensor hooks (which
-    see what torch.compile'd regions save too)."""
+def _held_only_by_themselves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The outputs whose data nothing else holds, read right after the forward: the ones a send may free.
 
-    def __init__(self):
-        self.pointers: set[int] = set()
-        self.complete = True  # False once a saved tensor had no storage to note (a wrapper subclass)
-
-    def observe(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        pointer = _storage_pointer(tensor)
-        if pointer is None:
-            self.complete = False
-        else:
-            self.pointers.add(pointer)
-        return tensor.detach()  # what autograd keeps must not hold the tensor itself: a saved output would be a cycle
-
-    def unreferenced(self, tensor: torch.Tensor) -> bool:
-        pointer = _storage_pointer(tensor)
-        return self.complete and pointer is not None and pointer not in self.pointers
-
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def _storage_pointer(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def _free_storage(outputs: Sequence[torch.Tensor], saved: _SavedStorages | None) -> None:
-    """Drops the data of sent outputs while their autograd nodes live on (Megatron's deallocate_output_tensor).
-
-    ``.data`` swaps the storage of the tensor object itself, so whatever holds that object for the
-    backward would read the placeholder: an op that saved it (a multiply, for its other operand's
-    gradient) or zb-h1's deferred weight gradient, which keeps a Linear's input (autograd saves that
-    input too). So an output is freed only if no tensor autograd saved shares its storage, if autograd
-    computed it (a leaf may be a parameter or a received input passed through) and if it is no view
-    (its base keeps the memory). Outputs of a forward whose saves were not observed (``saved`` None:
-    CUDA graphs) are all kept.
+    ``.data`` swaps the storage of the tensor object itself, so whatever holds that object for the backward would
+    read the placeholder. Autograd holds what it saves either as the tensor itself (an op's input: one more use of
+    the TensorImpl) or as a new TensorImpl on its storage (an op's own output, as tanh saves it: one more use of the
+    storage); a view, a detached alias or a ``torch.compile``'d region's saved tensor holds the storage too. So an
+    output is freed only if autograd computed it (a leaf may be a parameter or a received input passed through), it
+    is no view (its base keeps the memory), and its TensorImpl and storage have no other user. Counting uses costs a
+    few calls per output, where observing every saved tensor through saved-tensor hooks cost one per saved tensor.
+    Saved-tensor hooks of the caller's around the step (``save_on_cpu``, an identity for debugging) may keep the
+    tensor object itself, which no count shows: under them nothing is freed.
     """
-    if saved is None:
-        return
-    for tensor in outputs:
-        if tensor.grad_fn is not None and tensor._base is None and saved.unreferenced(tensor):
-            tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return []
+    return [tensor for tensor in outputs if tensor.grad_fn is not None and tensor._base is None
+            and _sole_user(tensor)]
+
+
+def _sole_user(tensor: torch.Tensor) -> bool:
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass: no storage of its own to count
+        return False
+    # The storage's users: the tensor and the ``storage`` object just made for this call.
+    return tensor._use_count() == 1 and torch._C._storage_Use_Count(storage._cdata) == 2

@@ -1,0 +1,69 @@
+"""A rank's stage modules made ready for its schedule (gradient sinks, zero-bubble deferral, recomputation, the
+executor over them), and those changes to the user's modules undone when the Pipeline closes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from pipecomm.parallel.sharded_stages import ShardedStages
+from pipecomm.runtime.device_timing import DeviceTimeline
+from pipecomm.runtime.executor import StageExecutor
+from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.recompute import checkpoint_stages
+from pipecomm.runtime.split_backward import WeightGradStore, defer_linear_weight_grads, warn_if_nothing_deferred
+from pipecomm.schedules.schedule import Schedule
+
+__all__: list[str] = []
+
+
+def _nothing() -> None:
+    pass
+
+
+def _splits_backward(schedule: Schedule, rank: int) -> bool:
+    return any(action.kind == "I" for action in schedule.actions[rank])
+
+
+class PreparedStages:
+    """The executor over this rank's stage modules, and what was changed in those modules for it."""
+
+    def __init__(self, schedule: Schedule, rank: int, modules: dict[int, nn.Module], sharded: ShardedStages,
+                 loss_fn: Callable, channels: dict, *, main_grad: bool, cuda_graphs: bool,
+                 recompute: bool | Callable[[nn.Module], bool], device_timeline: DeviceTimeline | None,
+                 on_stage_backward_done: Callable[[int], None]):
+        self.rank = rank
+        self.sinks = {stage: GradientSink(list(module.parameters()), main_grad,
+                                          live=module if sharded.holds(stage) else None)
+                      for stage, module in modules.items()}
+        # The zero-bubble machinery only where this rank's schedule splits a backward into I and W.
+        store = self.weight_grad_store = WeightGradStore() if _splits_backward(schedule, rank) else None
+        self.executor = StageExecutor(schedule, rank, modules, self.sinks, channels, loss_fn,
+                                      on_stage_backward_done=on_stage_backward_done, weight_grad_store=store,
+                                      cuda_graphs=cuda_graphs, device_timeline=device_timeline)
+        self._undo_deferral = defer_linear_weight_grads(modules.values(), store) if store else _nothing
+        # After the deferral: a recomputed Linear then recomputes the deferring forward.
+        self._undo_recompute = checkpoint_stages(list(modules.values()), recompute, cuda_graphs=cuda_graphs)
+        self._deferral_checked = False
+
+    def check_deferral(self) -> None:
+        """After the first step: a zero-bubble schedule whose W had nothing to defer says so, once."""
+        if not self._deferral_checked and self.weight_grad_store:
+            self._deferral_checked = True
+            warn_if_nothing_deferred(self.weight_grad_store, f"Pipeline rank {self.rank}", self.executor.schedule.name,
+                                     sorted(self.executor.stages))
+
+    def switch_schedule(self, schedule: Schedule, device_timing: bool) -> None:
+        """From the next step on, ``schedule``; a rank it gives no I pass has its Linear layers restored."""
+        self.executor.switch_schedule(schedule, device_timing)
+        if self.weight_grad_store and not _splits_backward(schedule, self.rank):
+            self.weight_grad_store = None
+            self._undo_deferral()
+            self._undo_deferral = _nothing
+
+    def restore(self) -> None:
+        """The user's modules as they were: recomputation undone first, as it wraps the deferring forward."""
+        self._undo_recompute()
+        self._undo_deferral()
+        self._undo_recompute = self._undo_deferral = _nothing
