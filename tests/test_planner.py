@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pipecomm
-from pipecomm.schedules import fast_simulation, jit, list_scheduling, local_search
+from pipecomm.schedules import fast_simulation, jit, list_scheduling, local_search, timing
 from pipecomm.schedules.schedule import (
     SCHEDULES,
     Action,
@@ -51,7 +51,7 @@ def test_the_numba_simulator_times_every_schedule_as_the_python_one():
                 np.testing.assert_allclose(busy, reference.busy_time, rtol=1e-12)
                 # The interpreted loop is what runs where numba is missing.
                 finish = np.zeros(schedule.num_ranks)
-                stuck = fast_simulation.finish_times(
+                stuck = timing.finish_times(
                     encoded.actions, encoded.offsets[:-1], encoded.offsets[1:],
                     fast_simulation.kind_costs(costs, schedule.stages_per_rank), comm_time, encoded.num_stages,
                     encoded.micro_batches, False, finish)
@@ -69,7 +69,7 @@ def test_the_search_times_its_passes_as_the_simulator_times_them_with_their_tran
             order, lengths = local_search._encode_passes(schedule)
             starts = np.arange(num_ranks) * order.shape[1]
             finish = np.zeros(num_ranks)
-            for run in (fast_simulation.finish_times, jit.compiled(fast_simulation.finish_times)):
+            for run in (timing.finish_times, jit.compiled(timing.finish_times)):
                 assert run(order.reshape(-1, 3), starts, starts + lengths,
                            local_search._pass_durations(costs, schedule.stages_per_rank), comm_time, schedule.num_stages,
                            micro_batches, True, finish) == -1
@@ -125,7 +125,7 @@ def test_the_search_finds_the_same_order_in_numba_and_python(name, num_ranks, mi
     durations = local_search._pass_durations(MEASURED, schedule.stages_per_rank)
     start = simulate(schedule, {**MEASURED, "B": MEASURED["I"] + MEASURED["W"]}).step_time
     found = []
-    for search in (local_search._search_python, jit.compiled(local_search._search_python, fast_simulation.finish_times)):
+    for search in (local_search._search_python, jit.compiled(local_search._search_python, timing.finish_times)):
         searched = order.copy()
         step_time = search(searched, lengths, durations, schedule.num_stages, micro_batches,
                            num_ranks * schedule.stages_per_rank, 1500, 6, 1e-4 * start, 5e-3)
@@ -141,7 +141,7 @@ def test_the_list_scheduler_builds_the_same_orders_in_numba_and_python():
     for num_ranks, micro_batches in itertools.product((2, 4, 8), (4, 11, 32)):
         # Three looped stages per rank count activations in thirds, whose sums round.
         placements = (*(looped_placement(num_ranks, chunks * num_ranks) for chunks in (1, 2, 3)), v_placement(num_ranks))
-        for placement, flags in itertools.product(placements, itertools.product((True, False), repeat=2)):
+        for placement, flags in itertools.product(placements, itertools.product((True, False), repeat=3)):
             chunks = len(placement) // num_ranks
             # Unit costs tie often, so the tie-breaking is checked too; caps of one or two stages' activations fail.
             costs = rng.choice([{kind: 1 for kind in "FIW"}, {kind: MEASURED[kind] / chunks for kind in "FIW"},
@@ -153,7 +153,7 @@ def test_the_list_scheduler_builds_the_same_orders_in_numba_and_python():
                           for base, slope in ((1, 1), (2, 2), (num_ranks, 1))]
             for lead in leads:
                 variant = dict(weights_before_forwards=flags[0], deepest_gradient_first=flags[1],
-                               first_stage_lead=lead)
+                               first_stage_lead=lead, weights_yield_in_cool_down=flags[2])
                 try:
                     expected = list_scheduling._build_orders_python(placement, micro_batches, costs, cap, **variant)
                 except ValueError as error:
@@ -163,7 +163,24 @@ def test_the_list_scheduler_builds_the_same_orders_in_numba_and_python():
                     continue
                 assert list_scheduling.build_orders(placement, micro_batches, costs, cap, **variant) == expected
                 built += 1
-    assert built > 140 and failed > 75
+    assert built > 280 and failed > 150
+
+
+def test_pass_orders_are_timed_as_the_simulator_times_their_schedule():
+    rng = random.Random(2)
+    for num_ranks, micro_batches in ((1, 3), (2, 5), (4, 8), (3, 11)):
+        for placement in (looped_placement(num_ranks, num_ranks), v_placement(num_ranks)):
+            chunks = len(placement) // num_ranks
+            costs = {kind: rng.uniform(0.2, 3.0) for kind in "FIW"}
+            orders = list_scheduling.build_orders(placement, micro_batches, costs, 2.0 * num_ranks, jit=False)
+            actions = tuple(with_communication([Action(*compute) for compute in order], len(placement))
+                            for order in orders)
+            schedule = pipecomm.schedules.schedule.Schedule("built", num_ranks, len(placement), micro_batches, actions,
+                                                            placement)
+            expected = simulate(schedule, {kind: cost * chunks for kind, cost in costs.items()}).step_time
+            for jitted in (False, True):
+                step_time = timing.pass_orders_step_time(orders, len(placement), micro_batches, costs, jit=jitted)
+                assert step_time == pytest.approx(expected, rel=1e-12)
 
 
 def test_named_list_scheduled_schedules_are_built_without_numba(monkeypatch):
@@ -171,8 +188,10 @@ def test_named_list_scheduled_schedules_are_built_without_numba(monkeypatch):
     def refuse(function):
         raise AssertionError(f"{function.__name__} was compiled for one small schedule")
     monkeypatch.setattr(list_scheduling, "compiled", refuse)
+    monkeypatch.setattr(timing, "compiled", refuse)  # zb-h2 times the orders it builds
     for name, num_ranks, micro_batches in (("zb-h2", 4, 8), ("zb-v", 8, 32), ("zb-v", 32, 64)):
         validate(pipecomm.make_schedule(name, num_ranks, micro_batches))
+    validate(pipecomm.make_schedule("zb-h2", 8, 32, costs=MEASURED))
 
 
 @pytest.mark.parametrize(("args", "kwargs", "message"), [

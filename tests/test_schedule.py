@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from pipecomm.schedules.list_scheduling import build_orders
 from pipecomm.schedules.schedule import (
     COMPUTE_KINDS,
     SCHEDULES,
@@ -235,7 +236,7 @@ def test_zb_v_has_almost_no_bubble_at_1f1b_memory(num_ranks, micro_batches):
     assert max(zb_v.peak_memory) <= max(one_f_one_b.peak_memory) == num_ranks
 
 
-@pytest.mark.parametrize("num_ranks, micro_batches", [(2, 8), (4, 8), (4, 16), (8, 16), (8, 32)])
+@pytest.mark.parametrize("num_ranks, micro_batches", [(2, 8), (4, 8), (4, 16), (8, 16), (8, 32), (16, 64)])
 def test_zb_h2_reaches_the_bound_of_one_stage_per_rank(num_ranks, micro_batches):
     # One stage per rank: rank p - 1 cannot start before p - 1 forwards have passed, and then runs 3m passes,
     # so no such schedule ends before 3m + p - 1 at F = I = W = 1. zb-h2 reaches that with at most twice
@@ -243,6 +244,81 @@ def test_zb_h2_reaches_the_bound_of_one_stage_per_rank(num_ranks, micro_batches)
     zb_h2 = simulate(make_schedule("zb-h2", num_ranks, micro_batches), ZB_COSTS)
     assert zb_h2.step_time == pytest.approx(3 * micro_batches + num_ranks - 1)
     assert max(zb_h2.peak_memory) <= 2 * num_ranks
+    # So its bubble in one step is (p - 1) / (3m + p - 1): 0.059 at p = 4, m = 16 and 0.068 at p = 8, m = 32, which no
+    # one-stage schedule gets under (issue 33 asked for <= 0.05). The paper's "zero bubble" for ZB-H2 is across steps:
+    # each rank is busy without a gap from its first pass to its last (a parallelogram), so the next step could start
+    # on each rank as soon as it ends this one, were no all-reduce between the steps.
+    assert zb_h2.bubble_fraction == pytest.approx((num_ranks - 1) / (3 * micro_batches + num_ranks - 1))
+    for rank, timeline in enumerate(zb_h2.timeline):
+        assert timeline[0][0] == rank and timeline[-1][1] == rank + 3 * micro_batches
+        assert all(end == start for (_, end, _), (start, _, _) in zip(timeline, timeline[1:]))
+
+
+def one_stage_per_rank_bound(num_ranks: int, micro_batches: int, costs: dict[str, float]) -> float:
+    """No schedule with one stage per rank and at most 2p activations held on a rank ends sooner (transfers free).
+
+    Rank p - 1 gets its first input after p - 1 forwards and then runs m of each pass. And before its last I ends it
+    has run its m Fs and m Is and, since at its last F it holds at most 2p activations, m - 2p Ws; that I's gradient
+    then passes p - 1 more Is down to rank 0, whose W of that micro-batch comes after.
+    """
+    forward, input_grad, weight_grad = costs["F"], costs["I"], costs["W"]
+    last_rank_busy = (num_ranks - 1) * forward + micro_batches * (forward + input_grad + weight_grad)
+    last_gradient_chain = ((num_ranks - 1 + micro_batches) * (forward + input_grad)
+                           + max(0, micro_batches - 2 * num_ranks) * weight_grad + weight_grad)
+    return max(last_rank_busy, last_gradient_chain)
+
+
+def greedy_zb_h2(num_ranks: int, micro_batches: int, costs: dict[str, float]) -> Schedule:
+    """zb-h2 as list scheduling alone built it before issue 33: the greedy orders, every idle moment filled with a W."""
+    orders = build_orders(tuple(range(num_ranks)), micro_batches, costs, 2.0 * num_ranks, jit=False)
+    actions = tuple(with_communication([Action(*compute) for compute in order], num_ranks) for order in orders)
+    return Schedule("zb-h2", num_ranks, num_ranks, micro_batches, actions)
+
+
+ZB_H2_COSTS = [
+    {"F": 1.0, "I": 1.0, "W": 1.0},
+    {"F": 1.0, "I": 1.2, "W": 0.8},
+    {"F": 1.0, "I": 1.5, "W": 0.5},
+    {"F": 2.95, "I": 4.85, "W": 2.25},  # issue 18: one stage of the compute-bound GPT config, 2x H200 (ms)
+    {"F": 3.059, "I": 5.022, "W": 2.226},  # the same on one H100
+    {"F": 1.0, "I": 0.8, "W": 1.3},
+]
+
+
+@pytest.mark.parametrize("costs", ZB_H2_COSTS, ids=lambda costs: "F{F:g}-I{I:g}-W{W:g}".format(**costs))
+@pytest.mark.parametrize("num_ranks, micro_batches",
+                         [(1, 3), (2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 9), (4, 16), (5, 7), (5, 12), (8, 8),
+                          (8, 13), (8, 32)])
+def test_zb_h2_for_any_costs_validates_fits_and_is_never_slower_than_before(costs, num_ranks, micro_batches):
+    schedule = make_schedule("zb-h2", num_ranks, micro_batches, costs=costs)
+    validate(schedule)
+    timed = {**costs, "B": costs["I"] + costs["W"]}
+    result = simulate(schedule, timed)
+    assert max(result.peak_memory) <= 2 * num_ranks
+    step_time = result.step_time
+    assert step_time >= one_stage_per_rank_bound(num_ranks, micro_batches, costs) - 1e-9
+    assert step_time <= simulate(greedy_zb_h2(num_ranks, micro_batches, costs), timed).step_time + 1e-9
+    for name in ("zb-h1", "1f1b"):
+        assert step_time <= simulate(make_schedule(name, num_ranks, micro_batches), timed).step_time + 1e-9, name
+
+
+@pytest.mark.parametrize("costs", ZB_H2_COSTS[:3], ids=lambda costs: "F{F:g}-I{I:g}-W{W:g}".format(**costs))
+@pytest.mark.parametrize("num_ranks, micro_batches", [(2, 8), (4, 8), (4, 16), (8, 16), (8, 32)])
+def test_zb_h2_reaches_the_bound_with_input_grads_up_to_three_times_weight_grads(costs, num_ranks, micro_batches):
+    result = simulate(make_schedule("zb-h2", num_ranks, micro_batches, costs=costs), {**costs, "B": 2.0})
+    assert result.step_time == pytest.approx(one_stage_per_rank_bound(num_ranks, micro_batches, costs))
+
+
+@pytest.mark.parametrize("num_ranks, micro_batches, before, after", [(8, 32, 346.05, 342.45), (16, 64, 698.85, 690.45)])
+def test_zb_h2_keeps_weight_passes_out_of_the_cool_downs_gradient_chain(num_ranks, micro_batches, before, after):
+    # At issue 18's costs the greedy's Ws delayed the Is that carry the last micro-batch's gradient down to rank 0;
+    # held back in the cool-down, they leave that chain free and zb-h2 ends at the bound.
+    costs = ZB_H2_COSTS[3]
+    timed = {**costs, "B": costs["I"] + costs["W"]}
+    assert simulate(greedy_zb_h2(num_ranks, micro_batches, costs), timed).step_time == pytest.approx(before)
+    schedule = make_schedule("zb-h2", num_ranks, micro_batches, costs=costs)
+    assert simulate(schedule, timed).step_time == pytest.approx(after)
+    assert after == pytest.approx(one_stage_per_rank_bound(num_ranks, micro_batches, costs))
 
 
 def test_zb_h2_and_zb_v_built_for_uneven_costs_beat_zb_h1():

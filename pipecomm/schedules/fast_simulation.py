@@ -10,19 +10,9 @@ import numpy as np
 from pipecomm.schedules.jit import compiled
 from pipecomm.schedules.schedule import COMPUTE_KINDS, Kind, Schedule
 from pipecomm.schedules.simulation import DEFAULT_COSTS
+from pipecomm.schedules.timing import CODES, finish_times
 
 __all__ = ["Encoded", "encode", "kind_costs", "step_and_busy_times"]
-
-# The encoding's kind codes: each kind's place in Kind, as plain ints, which numba compiles in as constants.
-CODES = {kind: code for code, kind in enumerate(Kind)}
-F_CODE = CODES[Kind.F]
-B_CODE = CODES[Kind.B]
-I_CODE = CODES[Kind.I]
-W_CODE = CODES[Kind.W]
-SEND_F_CODE = CODES[Kind.SEND_F]
-RECV_F_CODE = CODES[Kind.RECV_F]
-SEND_B_CODE = CODES[Kind.SEND_B]
-RECV_B_CODE = CODES[Kind.RECV_B]
 
 
 class Encoded(NamedTuple):
@@ -72,49 +62,3 @@ def kind_costs(costs: Mapping[str, float] | None, stages_per_rank: int) -> np.nd
     table = {**DEFAULT_COSTS, **(costs or {})}
     share = 1.0 / stages_per_rank  # as simulate() scales them, so that both give the same times
     return np.array([table[kind] * (share if kind in COMPUTE_KINDS else 1.0) for kind in Kind])
-
-
-def finish_times(actions, starts, ends, durations, comm_time, num_stages, micro_batches, passes_only, finish):
-    """Writes when each rank finishes to ``finish``; returns a rank that waits forever (a deadlock), or -1.
-
-    Rank r runs its rows ``actions[starts[r]:ends[r]]`` (kind code, stage, micro-batch) in order, each taking
-    ``durations[kind]``; a receive waits for its send's delivery, ``comm_time`` after the send. Without blocking sends
-    the times follow from the dependencies alone, so ranks can advance in turn, each as far as it can: what
-    ``simulation.execute`` finds event by event with ``buffer_slots=None``. ``passes_only`` rows are compute passes
-    whose transfers are those ``with_communication`` places around each, taking none of the rank's time.
-    """
-    num_ranks = starts.shape[0]
-    last_stage = num_stages - 1
-    # delivery[0, s, m]: when stage s's output of micro-batch m can be received; delivery[1, s, m]: its input grad.
-    delivery = np.full((2, num_stages, micro_batches), -1.0)
-    position = starts.copy()
-    finish[:] = 0.0
-    progress = True
-    while progress:
-        progress = False
-        for rank in range(num_ranks):
-            while position[rank] < ends[rank]:
-                kind, stage, micro_batch = actions[position[rank]]
-                forward = kind == F_CODE or kind == RECV_F_CODE or kind == SEND_F_CODE
-                if passes_only:
-                    # An F receives its input and sends its output, an I or B the gradients, but at the pipeline's ends.
-                    transfers = kind == F_CODE or kind == B_CODE or kind == I_CODE
-                    receives = transfers and stage != (0 if forward else last_stage)
-                    sends = transfers and stage != (last_stage if forward else 0)
-                else:
-                    receives = kind == RECV_F_CODE or kind == RECV_B_CODE
-                    sends = kind == SEND_F_CODE or kind == SEND_B_CODE
-                if receives:
-                    ready = delivery[0, stage - 1, micro_batch] if forward else delivery[1, stage + 1, micro_batch]
-                    if ready < 0:
-                        break
-                    finish[rank] = max(finish[rank], ready)
-                finish[rank] += durations[kind]
-                if sends:
-                    delivery[0 if forward else 1, stage, micro_batch] = finish[rank] + comm_time
-                position[rank] += 1
-                progress = True
-    for rank in range(num_ranks):
-        if position[rank] < ends[rank]:
-            return rank
-    return -1

@@ -16,7 +16,8 @@ PASS_KINDS = ("F", "I", "W")  # and their codes in array-encoded orders: 0, 1, 2
 
 def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[str, float],
                  memory_cap: float, *, weights_before_forwards: bool = False, deepest_gradient_first: bool = False,
-                 first_stage_lead: Sequence[int] | None = None, jit: bool = True) -> list[list[Pass]]:
+                 first_stage_lead: Sequence[int] | None = None, weights_yield_in_cool_down: bool = False,
+                 jit: bool = True) -> list[list[Pass]]:
     """Each rank's order of F, I and W passes, as the zero-bubble paper's greedy scheduler builds them.
 
     ``placement[s]`` is the rank of stage s. Time runs on the costs (``F``, ``I``, ``W``: one pass
@@ -28,19 +29,24 @@ def build_orders(placement: Sequence[int], micro_batches: int, costs: Mapping[st
     which frees memory sooner; ``deepest_gradient_first`` picks the ready I of the deepest stage before
     the oldest micro-batch. ``first_stage_lead[r]`` bounds how many micro-batches rank r's first
     stage may run ahead of its last in forwards (ranks holding several stages): memory that the first
-    stage's early forwards would hold stays free for the last stage's. An activation counts 1/v on a
-    rank holding v stages and is held from its F until its W. Runs numba-jitted where numba is installed,
+    stage's early forwards would hold stays free for the last stage's. ``weights_yield_in_cool_down``: once a rank
+    has run all its forwards, it starts a W only if no input gradient that one of its Is will pass on (stage > 0)
+    arrives before the W would end; else it waits for that gradient. The greedy W would delay the I, and in the
+    cool-down such delays add up along the last micro-batch's chain of Is down to rank 0, which ends the step; but
+    holding Ws back can leave a rank idle that had them to run, so neither rule wins everywhere. An activation counts
+    1/v on a rank holding v stages and is held from its F until its W. Runs numba-jitted where numba is installed,
     unless ``jit`` is False (a single small build: numba's first use in a process costs about a second).
     """
     build = compiled(_build_arrays) if jit else _build_arrays
     if build is _build_arrays:  # in Python the dictionaries' version is the faster
         return _build_orders_python(placement, micro_batches, costs, memory_cap, weights_before_forwards,
-                                    deepest_gradient_first, first_stage_lead)
+                                    deepest_gradient_first, first_stage_lead, weights_yield_in_cool_down)
     num_ranks = max(placement) + 1
     leads = np.zeros(num_ranks, dtype=np.int64) if first_stage_lead is None else np.array(first_stage_lead, np.int64)
     order, lengths, stuck = build(np.array(placement, dtype=np.int64), micro_batches,
                                   np.array([costs[kind] for kind in PASS_KINDS], dtype=np.float64), float(memory_cap),
-                                  weights_before_forwards, deepest_gradient_first, first_stage_lead is not None, leads)
+                                  weights_before_forwards, deepest_gradient_first, first_stage_lead is not None, leads,
+                                  weights_yield_in_cool_down)
     if stuck.any():
         raise _stuck(memory_cap, [rank for rank in range(num_ranks) if stuck[rank]])
     return [[(PASS_KINDS[kind], stage, micro_batch) for kind, stage, micro_batch in rows[:length]]
@@ -60,7 +66,8 @@ def _stuck(memory_cap: float, ranks: list[int]) -> ValueError:
 
 def _build_orders_python(placement: Sequence[int], micro_batches: int, costs: Mapping[str, float], memory_cap: float,
                          weights_before_forwards: bool, deepest_gradient_first: bool,
-                         first_stage_lead: Sequence[int] | None) -> list[list[Pass]]:
+                         first_stage_lead: Sequence[int] | None, weights_yield_in_cool_down: bool = False
+                         ) -> list[list[Pass]]:
     """``build_orders`` on dictionaries and lists: the reference that ``_build_arrays`` follows step by step."""
     num_stages = len(placement)
     num_ranks = max(placement) + 1
@@ -105,6 +112,13 @@ def _build_orders_python(placement: Sequence[int], micro_batches: int, costs: Ma
         return (first_stage_lead is not None and stage == first != last
                 and next_forward[first] - next_forward[last] >= first_stage_lead[rank])
 
+    def gradient_due(rank: int, until: float) -> bool:
+        """Whether the rank has run all its forwards and an input gradient that an I passes on arrives before until."""
+        if any(next_forward[stage] < micro_batches for stage in held[rank]):
+            return False
+        return any(stage > 0 and gradient_at.get((stage, micro_batch), float("inf")) < until - 1e-9
+                   for micro_batch, stage in waiting_input_grads[rank])
+
     # Ranks with nothing to do and no known time to look again: they wait for the next pass placed anywhere.
     waiting: set[int] = set()
     while any(remaining):
@@ -120,7 +134,10 @@ def _build_orders_python(placement: Sequence[int], micro_batches: int, costs: Ma
                                      else (lambda key: (key[0], -key[1])))
             place(rank, now, "I", stage, micro_batch)
             continue
-        if weights_before_forwards and pending_weights[rank]:
+        # A W that would keep an arriving gradient's I waiting (weights_yield_in_cool_down) waits itself.
+        weight_ready = bool(pending_weights[rank]) and not (weights_yield_in_cool_down
+                                                            and gradient_due(rank, now + costs["W"]))
+        if weights_before_forwards and weight_ready:
             place(rank, now, "W", *pending_weights[rank][0])
             continue
         ready_inputs = [(next_forward[stage], stage) for stage in held[rank]
@@ -131,7 +148,7 @@ def _build_orders_python(placement: Sequence[int], micro_batches: int, costs: Ma
             micro_batch, stage = min(ready_inputs)
             place(rank, now, "F", stage, micro_batch)
             continue
-        if pending_weights[rank]:
+        if weight_ready:
             place(rank, now, "W", *pending_weights[rank][0])
             continue
         later = [free_at[r] for r in range(num_ranks) if free_at[r] > now]
@@ -144,7 +161,7 @@ def _build_orders_python(placement: Sequence[int], micro_batches: int, costs: Ma
 
 
 def _build_arrays(placement, micro_batches, costs, memory_cap, weights_before_forwards, deepest_gradient_first,
-                  bounded_lead, leads):
+                  bounded_lead, leads, weights_yield_in_cool_down):
     """``_build_orders_python`` over arrays, for numba: the same choices in the same order, ties broken alike.
 
     ``costs`` is indexed by kind code, ``leads`` holds ``first_stage_lead`` if ``bounded_lead``. Returns each rank's
@@ -239,6 +256,18 @@ def _build_arrays(placement, micro_batches, costs, memory_cap, weights_before_fo
             place(rank, now, 1, grad_stage, grad_micro_batch)
             continue
         has_weight = pending_head[rank] < pending_tail[rank]
+        if has_weight and weights_yield_in_cool_down:
+            cooling = True
+            for index in range(count):
+                if next_forward[held[rank, index]] < micro_batches:
+                    cooling = False
+            if cooling:  # a W that would keep an arriving gradient's I waiting waits itself
+                for index in range(count):
+                    stage = held[rank, index]
+                    for micro_batch in range(micro_batches):
+                        if (stage > 0 and forwarded[stage, micro_batch]
+                                and gradient_at[stage, micro_batch] < now + costs[2] - 1e-9):
+                            has_weight = False
         if weights_before_forwards and has_weight:
             place(rank, now, 2, pending[rank, pending_head[rank], 0], pending[rank, pending_head[rank], 1])
             continue

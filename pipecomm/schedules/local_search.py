@@ -1,4 +1,4 @@
-"""A local search over a schedule's pass orders: single passes moved within their rank's order, timed by fast_simulation's kernel."""
+"""A local search over a schedule's pass orders: single passes moved within their rank's order, timed by timing's kernel."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipecomm.schedules.fast_simulation import CODES, F_CODE, I_CODE, W_CODE, finish_times
 from pipecomm.schedules.jit import compiled
 from pipecomm.schedules.list_scheduling import PASS_KINDS
 from pipecomm.schedules.schedule import Action, Kind, Schedule, with_communication
+from pipecomm.schedules.timing import CODES, F_CODE, I_CODE, W_CODE, finish_times
 from pipecomm.schedules.validation import validate
 
 __all__ = ["search_order"]

@@ -3,11 +3,12 @@ structural checks every schedule passes (``validation`` adds channel order and d
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from pipecomm.schedules.kinds import COMMUNICATION_KINDS, COMPUTE_KINDS, FORWARD_KINDS, Kind
 from pipecomm.schedules.list_scheduling import build_orders, v_first_stage_lead
+from pipecomm.schedules.timing import pass_orders_step_time
 
 __all__ = [
     "COMMUNICATION_KINDS",
@@ -21,32 +22,8 @@ __all__ = [
 ]
 
 
-class Kind(str, enum.Enum):
-    """What an action does (``Action`` tells each). A kind is the string of its name: it equals and hashes as that
-    string, so that "F" works wherever Kind.F does (as a ``costs`` key, in comparisons), and arrays encode it by its
-    place in this order."""
-
-    F = "F"
-    B = "B"
-    I = "I"
-    W = "W"
-    SEND_F = "SEND_F"
-    RECV_F = "RECV_F"
-    SEND_B = "SEND_B"
-    RECV_B = "RECV_B"
-
-    # str's own, not Enum's "Kind.F": actions print, format and repr as they did when kinds were plain strings
-    # (enum.StrEnum, Python 3.11 on, would do the first two but keep Enum's repr).
-    __str__ = str.__str__
-    __format__ = str.__format__
-    __repr__ = str.__repr__
-
-
 # Each kind by itself or its string: a dictionary finds it several times sooner than Kind(string) does.
 _KINDS = {kind: kind for kind in Kind}
-COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
-COMMUNICATION_KINDS = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
-FORWARD_KINDS = (Kind.F, Kind.SEND_F, Kind.RECV_F)
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
 
 # Schedules that run a steady state need every rank to have finished its warm-up before the first
@@ -149,7 +126,8 @@ def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages:
     ``Schedule.stages_of`` tells), at 1F1B's peak activation memory. zb-h2 and zb-v are built by
     list scheduling (``pipecomm.schedules.list_scheduling``) for ``costs`` (F, I and W of one rank's share, as
     ``simulate`` takes them; default F = I = W): an order built for equal costs can lose much of its
-    gain where I costs more than F, so give measured costs where they are known. Where the V's greedy order would
+    gain where I costs more than F, so give measured costs where they are known. zb-h2 keeps the fastest of a few
+    orders within its memory (``_zb_h2_orders``). Where the V's greedy order would
     fill a rank's memory with its first stage's forwards and wait forever, that stage is held back.
 
     ``virtual_stages`` (stages per rank) defaults to 2 for zb-v and 1 otherwise; interleaved-1f1b
@@ -178,18 +156,51 @@ def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages:
 
 def _list_scheduled_orders(name: str, placement: tuple[int, ...], micro_batches: int, pass_costs: Mapping[str, float],
                            memory_cap: float) -> list[list[tuple[str, int, int]]]:
-    """The greedy orders; where the V's greedy fills a rank's memory with first-stage forwards before the far side
-    of the V returns (I well above F + W at p = 2), its first stages held back, as little as lets it finish."""
+    """zb-h2's orders (``_zb_h2_orders``), or the V's greedy orders; where the V's greedy fills a rank's memory with
+    first-stage forwards before the far side of the V returns (I well above F + W at p = 2), its first stages held
+    back, as little as lets it finish."""
     num_ranks = max(placement) + 1
     jit = len(placement) * micro_batches > _INTERPRETED_BUILD_UP_TO
-    leads = [None] if name != "zb-v" else [None] + [v_first_stage_lead(num_ranks, base)
-                                                    for base in range(num_ranks + 1, 0, -1)]
+    if name == "zb-h2":
+        return _zb_h2_orders(placement, micro_batches, pass_costs, memory_cap, jit)
+    leads = [None] + [v_first_stage_lead(num_ranks, base) for base in range(num_ranks + 1, 0, -1)]
     for lead in leads[:-1]:
         try:
             return build_orders(placement, micro_batches, pass_costs, memory_cap, first_stage_lead=lead, jit=jit)
         except ValueError:
             continue
     return build_orders(placement, micro_batches, pass_costs, memory_cap, first_stage_lead=leads[-1], jit=jit)
+
+
+def _zb_h2_orders(placement: tuple[int, ...], micro_batches: int, pass_costs: Mapping[str, float],
+                  memory_cap: float, jit: bool) -> list[list[tuple[str, int, int]]]:
+    """The greedy orders, unless another order within the memory cap simulates faster: the greedy's with its Ws held
+    back in the cool-down (``build_orders``' weights_yield_in_cool_down), or zb-h1's.
+
+    No schedule with one stage per rank ends before (p - 1) F + m (F + I + W): its last rank waits p - 1 forwards for
+    its first input, then runs m of each pass. At F = I = W the greedy reaches that, a bubble of (p - 1) / (3m + p - 1)
+    (0.059 at p = 4, m = 16; 0.068 at p = 8, m = 32), and is kept without building the others. No one-stage schedule
+    has a smaller bubble in one step; the paper's ZB-H2 is "zero bubble" across steps, its parallelogram letting
+    rank r start the next step as soon as it ends this one, with no all-reduce between steps (it checks the optimizer
+    step afterwards instead). Elsewhere the greedy can lose: with I above F and W (the GPU-bound configs measured so
+    far) its Ws delay the last micro-batch's Is in the cool-down, about 1% at p = 8, m = 32, which the held-back Ws
+    win back (where holding them does not idle ranks instead); at m = p or p + 1, with few micro-batches beyond the
+    warm-up's, zb-h1's order (p activations, within the cap) can be up to 6% faster.
+    """
+    num_ranks = num_stages = len(placement)
+
+    def step_time(orders: list[list[tuple[str, int, int]]]) -> float:
+        return round(pass_orders_step_time(orders, num_stages, micro_batches, pass_costs, jit=jit), 9)
+
+    greedy = build_orders(placement, micro_batches, pass_costs, memory_cap, jit=jit)
+    bound = (num_stages - 1) * pass_costs["F"] + micro_batches * sum(pass_costs[kind] for kind in ("F", "I", "W"))
+    if step_time(greedy) <= bound + 1e-9:
+        return greedy
+    held_back = build_orders(placement, micro_batches, pass_costs, memory_cap, weights_yield_in_cool_down=True,
+                             jit=jit)
+    zb_h1 = [[(action.kind, action.stage, action.micro_batch)
+              for action in _zb_h1_order(rank, num_ranks, micro_batches, 1)] for rank in range(num_ranks)]
+    return min((greedy, held_back, zb_h1), key=step_time)  # the first of equals: the greedy
 
 
 def forward_schedule(num_ranks: int, micro_batches: int, placement: tuple[int, ...]) -> Schedule:
