@@ -15,7 +15,7 @@ COSTS = {"F": 2.95, "I": 4.85, "W": 2.25}
 SCHEDULE = make_schedule("zb-v", num_ranks=8, micro_batches=64)  # v = 2
 # One of the planner's list-scheduling variants at p = 8, m = 32: the V at 1f1b's memory, the planner's costs per stage.
 BUILD_ARGS = (v_placement(8), 32, {kind: cost / 2 for kind, cost in COSTS.items()}, 8.0)
-BUILD_VARIANT = {"deepest_forward_first": True, "weights_before_forwards": False, "deepest_gradient_first": False,
+BUILD_VARIANT = {"weights_before_forwards": False, "deepest_gradient_first": False,
                  "first_stage_lead": None}
 
 
