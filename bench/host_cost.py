@@ -13,7 +13,10 @@ of each action, exclusive of the actions and losses it calls:
   step's setup, splitting the batch, the loss's reduction, the result's broadcast).
 
 Models (``--models``): ``mha``, pre-norm blocks of ``nn.MultiheadAttention`` and a GELU MLP (many small kernels);
-``llama``, a Hugging Face LlamaForCausalLM built from a config, its decoder layers in two halves (LlamaStage); ``gpt``, bench/e2e.py's GPT blocks. On CPU (``--cpu``: gloo,
+``llama``, a Hugging Face LlamaForCausalLM built from a config, its decoder layers in two halves (LlamaStage); ``gpt``, bench/e2e.py's GPT blocks;
+``tiny`` (not run by default), a stage of one ``Linear(8, 8)`` on micro-batches of 2 samples, so that a step is the
+libraries' fixed cost alone (issue 33's CPU target compares its wall time per step, ``wall_vs_torch``).
+``--micro-batches 8,32`` runs every model once per micro-batch count instead of its shape's. On CPU (``--cpu``: gloo,
 pipecomm's shared-memory channels, one thread per rank, fp32) the models are tiny, so a step is mostly overhead;
 on GPUs (default: rank r on cuda:r, NCCL, bf16) they have issue 33's shapes, smaller where noted. ``--share-gpu``
 puts both ranks on cuda:0 (gloo; pipecomm over IPC). ``--smoke`` is a CPU run of one step, for the tests.
@@ -32,7 +35,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, print_environment, print_table, spawn_ranks, start_rank, write_json  # noqa: E402
 
 ROWS = ("torch 1F1B", "pipecomm 1f1b", "pipecomm zb-h1")
-MODELS = ("mha", "llama", "gpt")
+# Not run by default (``--rows``): each rank's stage work alone, a gradient-accumulation loop with no pipeline,
+# the floor under any schedule's step on that rank.
+EXTRA_ROWS = ("stage alone",)
+MODELS = ("mha", "llama", "gpt", "tiny")
+DEFAULT_MODELS = ("mha", "llama", "gpt")
 ACTIONS = ("F", "B", "I", "W", "loss", "send", "recv", "p2p")
 # pipecomm's executor methods, one per action kind, and what they count as.
 PIPECOMM_ACTIONS = {"_forward": "F", "_backward": "B", "_backward_input": "I", "_backward_weight": "W",
@@ -74,6 +81,8 @@ SHAPES = {  # (mode, model) -> shape; GPU shapes are issue 33's (the Llama narro
     ("cpu", "mha"): Shape(32, 4, 16, 2, 8),
     ("cpu", "llama"): Shape(32, 4, 16, 2, 8, vocab=128),
     ("cpu", "gpt"): Shape(32, 4, 16, 2, 8),
+    ("gpu", "tiny"): Shape(8, 2, 1, 2, 8),  # one Linear(8, 8) per stage, inputs [micro-batch size, 8]
+    ("cpu", "tiny"): Shape(8, 2, 1, 2, 8),
 }
 
 
@@ -168,6 +177,9 @@ class LlamaStage(nn.Module):
 def build_stage(model: str, shape: Shape, rank: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Rank ``rank``'s half of the model: layer i seeded by i, so both ranks hold one model whatever the split."""
     half = range(rank * shape.layers // 2, (rank + 1) * shape.layers // 2)
+    if model == "tiny":
+        torch.manual_seed(1000 + rank)
+        return nn.Linear(shape.hidden, shape.hidden).to(device, dtype)
     if model == "gpt":
         from e2e import Config, build_chunk
 
@@ -196,8 +208,8 @@ def make_batch(model: str, shape: Shape, device: torch.device, dtype: torch.dtyp
     if model == "llama":
         tokens = torch.randint(0, shape.vocab, (batch, shape.seq + 1), generator=generator)
         return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-    inputs = torch.randn(batch, shape.seq, shape.hidden, generator=generator)
-    target = torch.randn(batch, shape.seq, shape.hidden, generator=generator)
+    dims = (batch, shape.hidden) if model == "tiny" else (batch, shape.seq, shape.hidden)
+    inputs, target = torch.randn(dims, generator=generator), torch.randn(dims, generator=generator)
     return inputs.to(device, dtype), target.to(device, dtype)
 
 
@@ -244,7 +256,27 @@ def torch_runner(row: str, module: nn.Module, rank: int, shape: Shape, loss_fn: 
     return step, lambda: None
 
 
-RUNNERS = {"torch": torch_runner, "pipecomm": pipecomm_runner}
+def alone_runner(row: str, module: nn.Module, rank: int, shape: Shape, loss_fn: Callable, device: torch.device,
+                 args: argparse.Namespace, meter: HostMeter) -> tuple[Callable[..., None], Callable[[], None]]:
+    """Each micro-batch's forward and backward of this rank's stage, without a pipeline: the first stage's from the
+    data with an output gradient of ones, the last stage's through the (1/m-scaled) loss from an input that needs
+    its gradient, as a received activation does."""
+    forward = meter.timed(module.__call__, "F")
+    backward = meter.timed(torch.autograd.backward, "B")
+
+    def step(inputs: torch.Tensor, target: torch.Tensor) -> None:
+        for micro_input, micro_target in zip(inputs.chunk(shape.micro_batches), target.chunk(shape.micro_batches)):
+            if rank == 0:
+                output = forward(micro_input)
+                backward([output], [torch.ones_like(output)])
+            else:
+                loss = loss_fn(forward(micro_input.detach().requires_grad_()), micro_target) / shape.micro_batches
+                backward([loss])
+
+    return step, lambda: None
+
+
+RUNNERS = {"torch": torch_runner, "pipecomm": pipecomm_runner, "stage": alone_runner}
 
 
 def measure(row: str, model: str, shape: Shape, module: nn.Module, rank: int, device: torch.device,
@@ -280,13 +312,24 @@ def measure(row: str, model: str, shape: Shape, module: nn.Module, rank: int, de
     finally:
         meter.restore()
         close()
-    return {"row": row, "model": model, "rank": rank, "thread_us": _median_us(thread), "process_us": _median_us(process),
+    return {"row": row, "model": model, "table": table_name(model, shape, args), "rank": rank,
+            "thread_us": _median_us(thread), "process_us": _median_us(process),
             "wall_ms": statistics.median(wall) * 1e3, "other_us": _median_us(other),
             "per_call_us": {kind: seconds * 1e6 for kind, seconds in per_call.items()}, "calls_per_step": calls}
 
 
 def _median_us(values: list[float]) -> float:
     return statistics.median(values) * 1e6
+
+
+def model_shape(model: str, mode: str, micro_batches: int | None) -> Shape:
+    shape = SHAPES[("cpu" if mode != "gpu" else "gpu", model)]
+    return shape if micro_batches is None else replace(shape, micro_batches=micro_batches)
+
+
+def table_name(model: str, shape: Shape, args: argparse.Namespace) -> str:
+    """A table per model, and per micro-batch count where ``--micro-batches`` gives them."""
+    return model if not args.micro_batch_list else f"{model} m={shape.micro_batches}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,23 +348,26 @@ def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any]
         env["process_group"] = dist.get_backend()
         env["threads_per_rank"] = torch.get_num_threads()
     for model in args.model_list:
-        shape = SHAPES[("cpu" if on_cpu else "gpu", model)]
-        module = build_stage(model, shape, rank, device, dtype)
-        for row in ROWS:
-            report(measure(row, model, shape, module, rank, device, args))
-            dist.barrier()
+        for micro_batches in args.micro_batch_list or [None]:
+            shape = model_shape(model, args.mode, micro_batches)
+            module = build_stage(model, shape, rank, device, dtype)
+            for row in args.row_list:
+                report(measure(row, model, shape, module, rank, device, args))
+                dist.barrier()
     return {"env": env}
 
 
-def table(results: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
-    """One row per runner: the slower rank's value of each column; the ratio of the step's thread time to torch's."""
+def table(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """One row per runner: the slower rank's value of each column; the ratios of the step's thread time and wall
+    time to torch's."""
     rows = []
     by_row: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for result in results:
-        if result["model"] == model:
+        if result["table"] == name:
             by_row[result["row"]].append(result)
     torch_step = max((r["thread_us"] for r in by_row.get("torch 1F1B", [])), default=None)
-    for name in ROWS:
+    torch_wall = max((r["wall_ms"] for r in by_row.get("torch 1F1B", [])), default=None)
+    for name in (*ROWS, *EXTRA_ROWS):
         ranks = by_row.get(name)
         if not ranks:
             continue
@@ -329,6 +375,7 @@ def table(results: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
         for column in ("thread_us", "process_us", "wall_ms", "other_us"):
             row[column] = max(r[column] for r in ranks)
         row["vs_torch"] = row["thread_us"] / torch_step if torch_step else None
+        row["wall_vs_torch"] = row["wall_ms"] / torch_wall if torch_wall else None
         for kind in ACTIONS:
             values = [r["per_call_us"][kind] for r in ranks if kind in r["per_call_us"]]
             row[kind] = max(values) if values else None
@@ -336,7 +383,7 @@ def table(results: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
     return rows
 
 
-COLUMNS = ["runner", "thread_us", "vs_torch", "process_us", "wall_ms", *ACTIONS, "other_us"]
+COLUMNS = ["runner", "thread_us", "vs_torch", "process_us", "wall_ms", "wall_vs_torch", *ACTIONS, "other_us"]
 
 
 def main() -> None:
@@ -346,7 +393,10 @@ def main() -> None:
     mode.add_argument("--smoke", action="store_const", dest="mode", const="smoke", help="a CPU run of one step")
     parser.set_defaults(mode="gpu")
     parser.add_argument("--share-gpu", action="store_true", help="both ranks on cuda:0 (gloo, pipecomm over IPC)")
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {', '.join(MODELS)}")
+    parser.add_argument("--micro-batches", default="",
+                        help="e.g. 8,32: each model once per micro-batch count (default: its shape's)")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join((*ROWS, *EXTRA_ROWS))}")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120.0)
@@ -356,23 +406,32 @@ def main() -> None:
     unknown = set(args.model_list) - set(MODELS)
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; known: {', '.join(MODELS)}")
+    args.micro_batch_list = [int(count) for count in args.micro_batches.split(",") if count]
+    args.row_list = [row.strip() for row in args.rows.split(",") if row.strip()]
+    unknown_rows = set(args.row_list) - {*ROWS, *EXTRA_ROWS}
+    if unknown_rows:
+        parser.error(f"unknown rows {sorted(unknown_rows)}; known: {', '.join((*ROWS, *EXTRA_ROWS))}")
     if args.mode == "smoke":
         args.steps, args.warmup = 1, 1
     if args.mode == "gpu" and not args.share_gpu and torch.cuda.device_count() < 2:
         parser.error("2 GPUs needed (or --share-gpu, or --cpu)")
     results: list[dict[str, Any]] = []
-    outcome = spawn_ranks(run_rank, 2, (vars(args),), deadline=60 + 120 * len(args.model_list),
+    runs = len(args.model_list) * max(1, len(args.micro_batch_list))
+    outcome = spawn_ranks(run_rank, 2, (vars(args),), deadline=60 + 120 * runs,
                           timeout=args.timeout, on_report=lambda rank, payload: results.append(payload))
     env = outcome[0]["env"]
     print_environment(env)
     tables = {}
     for model in args.model_list:
-        print(f"\n{model}: {asdict(SHAPES[('cpu' if args.mode != 'gpu' else 'gpu', model)])} "
-              f"(host CPU time in microseconds; per call for the actions, per step for the rest)")
-        tables[model] = table(results, model)
-        print_table(tables[model], COLUMNS)
+        for micro_batches in args.micro_batch_list or [None]:
+            shape = model_shape(model, args.mode, micro_batches)
+            name = table_name(model, shape, args)
+            print(f"\n{name}: {asdict(shape)} "
+                  f"(host CPU time in microseconds; per call for the actions, per step for the rest)")
+            tables[name] = table(results, name)
+            print_table(tables[name], COLUMNS)
     if args.json:
-        write_json(args.json, {"env": env, "args": {k: v for k, v in vars(args).items() if k != "model_list"},
+        write_json(args.json, {"env": env, "args": {k: v for k, v in vars(args).items() if not k.endswith("_list")},
                                "tables": tables, "ranks": results})
 
 

@@ -8,9 +8,9 @@ protocol's (``fail_fast``), its refusals ``checks``'s.
 **Failures.** If a call fails on one rank (a bad batch, an error in a stage or the loss, a dead
 peer), that rank publishes its error through the job's store and closes its channels; every
 other rank's call then raises within seconds, wherever it waits (a channel, the loss or result
-broadcast, a gradient all-reduce, the start of its next call): a ``PeerFailedError`` whose
-message holds the failed rank's error, or a ``PeerDiedError`` if that process died without a
-word. Afterwards every rank's Pipeline refuses further calls; build a new one.
+broadcast, a gradient all-reduce, its next call's first message or collective): a
+``PeerFailedError`` whose message holds the failed rank's error, or a ``PeerDiedError`` if that
+process died without a word. Afterwards every rank's Pipeline refuses further calls; build a new one.
 
 **Shared, sharded and tensor-parallel stages.** Parameters that ``pipecomm.split`` found shared between stages
 (a tied embedding and LM head) start from the lowest holder's value and have their gradients summed across the
@@ -142,7 +142,8 @@ class Pipeline:
             self._links.connect(self.schedule, self.rank, group, self.device, transport, timeout,
                                 self.calls.peer_failures)
             self._collectives = PipelineCollectives(group, self.rank, self.schedule.stage_rank(num_stages - 1),
-                                                    self.device, self.calls, timeout)
+                                                    self.device, self.calls, timeout, self._links.channels,
+                                                    self.schedule)
             self._planner = AutoPlanner(self._collectives, self.num_ranks, micro_batches) if auto else None
             shared = (SharedParameters(self.modules, lambda s: global_rank(group, self.schedule.stage_rank(s)))
                       if dist.is_initialized() else None)
@@ -186,7 +187,9 @@ class Pipeline:
         non-tensor leaves must be equal across micro-batches. With ``broadcast_result=True`` every rank
         of the pipeline gets it (autoregressive decoding). Failures behave as in ``step``.
         """
-        with self.calls.call("forward"):
+        # Without the broadcast, the first stage's rank only sends, which may all fit in its channels' slots: it looks
+        # for published failures first, as it might wait for nothing that a failed peer stops.
+        with self.calls.call("forward", look_up_failures=not broadcast_result):
             split_inputs = (microbatch.split(microbatch.Batch(inputs, kwargs), self.micro_batches, "", self.device,
                                              uneven=True) if 0 in self.stages else None)
             outputs = self._executor.infer(split_inputs)
@@ -213,7 +216,7 @@ class Pipeline:
         """Writes a Chrome trace (chrome://tracing, Perfetto) of the last step's actions on every rank. Collective:
         every rank calls it; the first one writes the file. With ``device_timing=True`` it shows the compute actions at
         the GPU's times, each rank's from the start of its step on its GPU (transfers, host-timed, are left out)."""
-        with self.calls.call("trace"):
+        with self.calls.call("trace", look_up_failures=True):
             gathered = self._collectives.gather_at_first_rank(step_trace.timeline(self._executor), self.num_ranks)
         if gathered is not None:
             step_trace.write_chrome_trace(path, gathered, device_timed=self._executor.device_timeline is not None)

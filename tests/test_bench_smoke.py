@@ -214,3 +214,19 @@ def test_host_cost_smoke_meters_every_action_of_both_libraries(tmp_path, run_ben
         calls = rank_row["calls_per_step"]
         assert calls["F"] == 8 and calls.get("B", calls.get("I")) == 8, rank_row
     assert "mha:" in result.stdout and "pipecomm zb-h1" in result.stdout
+
+
+def test_host_cost_tiny_stage_per_micro_batch_count_against_the_stage_alone(tmp_path, run_bench):
+    result = run_bench("host_cost.py", "--models", "tiny", "--micro-batches", "2,4",
+                       "--rows", "torch 1F1B,pipecomm 1f1b,stage alone", "--json", str(tmp_path / "tiny.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "tiny.json").read_text())
+    assert list(report["tables"]) == ["tiny m=2", "tiny m=4"]
+    for name, micro_batches in (("tiny m=2", 2), ("tiny m=4", 4)):
+        rows = {row["runner"]: row for row in report["tables"][name]}
+        assert list(rows) == ["torch 1F1B", "pipecomm 1f1b", "stage alone"]
+        assert rows["torch 1F1B"]["wall_vs_torch"] == 1.0 and rows["pipecomm 1f1b"]["wall_vs_torch"] > 0
+        assert rows["stage alone"]["F"] > 0 and rows["stage alone"]["B"] > 0 and rows["stage alone"]["send"] is None
+        for rank_row in report["ranks"]:
+            if rank_row["table"] == name:
+                assert rank_row["calls_per_step"]["F"] == micro_batches, rank_row

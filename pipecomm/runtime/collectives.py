@@ -1,7 +1,17 @@
 """The collectives of a pipeline's ranks: the loss and the inference result broadcast from the last stage, the
-all-reduces of the gradient norm and the measured costs, each bounded by the fail-fast protocol; the trace's gather."""
+all-reduces of the gradient norm and the measured costs, each bounded by the fail-fast protocol; the trace's gather.
+
+On CPU the broadcasts take the channels the step already uses (``LinkTree``) instead of a gloo collective: a 0-d
+loss then costs one shared-memory message per rank, which the last stage sends as soon as its step is done and its
+neighbour finds waiting at the end of its own (a gloo broadcast costs every rank a rendezvous, a hand-off to gloo's
+thread and back, and the wait for the slowest rank). A peer that fails aborts those channels, so a rank waiting in
+the broadcast raises at once with the cause, as in any receive of the step.
+"""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -11,17 +21,75 @@ from pipecomm.runtime import boundary
 from pipecomm.runtime.fail_fast import CallProtocol
 from pipecomm.runtime.failure import Collective
 from pipecomm.parallel.mesh import global_rank, uses_nccl
+from pipecomm.schedules.schedule import Schedule
+from pipecomm.transport.channel import ChannelError
 from pipecomm.transport.lifetime import keep_forever
 
 __all__: list[str] = []
 
 
+def broadcast_parents(schedule: Schedule, root: int) -> dict[int, int | None]:
+    """Every pipeline rank's parent in a breadth-first tree from ``root`` over the links between the ranks of
+    neighbouring stages (None for ``root``); the same on every rank, and reaching every rank, since consecutive
+    stages' ranks are linked and every rank holds a stage."""
+    neighbours: dict[int, set[int]] = {rank: set() for rank in range(schedule.num_ranks)}
+    for stage in range(schedule.num_stages - 1):
+        lower, upper = schedule.stage_rank(stage), schedule.stage_rank(stage + 1)
+        if lower != upper:
+            neighbours[lower].add(upper)
+            neighbours[upper].add(lower)
+    parents: dict[int, int | None] = {root: None}
+    frontier = [root]
+    while frontier:
+        reached = []
+        for rank in frontier:
+            for peer in sorted(neighbours[rank]):
+                if peer not in parents:
+                    parents[peer] = rank
+                    reached.append(peer)
+        frontier = reached
+    return parents
+
+
+class LinkTree:
+    """A broadcast from the last stage's rank over the links (``channels``, by (peer's pipeline rank, kind)): each rank
+    receives from its parent in ``broadcast_parents``'s tree, then sends to its children. Every message of a step is
+    received within the step, so the broadcast's message is the next one each receiving rank takes from its parent."""
+
+    def __init__(self, schedule: Schedule, rank: int, root: int, channels: dict):
+        parents = broadcast_parents(schedule, root)
+        self.rank = rank
+        self.parent = parents[rank]
+        self.children = [peer for peer, parent in sorted(parents.items()) if parent == rank]
+        self.channels = channels
+
+    def broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        """``tensor`` in place from the root to every rank; channel errors name ``what`` and the peer."""
+        if self.parent is not None:
+            with _naming(what, f"receiving it from pipeline rank {self.parent}"):
+                self.channels[(self.parent, "grad")].recv(out=[tensor])
+        for child in self.children:
+            with _naming(what, f"sending it to pipeline rank {child}"):
+                self.channels[(child, "grad")].send([tensor])
+
+
+@contextlib.contextmanager
+def _naming(what: str, doing: str) -> Iterator[None]:
+    """Channel errors and timeouts inside get the broadcast and the peer in front of their message."""
+    try:
+        yield
+    except (ChannelError, TimeoutError) as error:
+        raise type(error)(f"{what}, {doing}: {error}") from error
+
+
 class PipelineCollectives:
     """Collectives over the pipeline group (None: the world) from pipeline rank ``rank``; ``last_rank`` holds the
-    last stage. Tensors live on ``device`` on NCCL groups, on the CPU on gloo ones (``wire_device``)."""
+    last stage. Tensors live on ``device`` on NCCL groups, on the CPU on gloo ones (``wire_device``). With ``links``
+    (the channels to the neighbour stages' ranks, as ``NeighbourLinks`` keeps them, for ``schedule``'s placement)
+    and stages on the CPU, the broadcasts go over them (``LinkTree``)."""
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, last_rank: int, device: torch.device,
-                 calls: CallProtocol, timeout: float):
+                 calls: CallProtocol, timeout: float, links: dict | None = None, schedule: Schedule | None = None):
         self.group = group
         self.rank = rank
         self.last_rank = last_rank
@@ -29,6 +97,8 @@ class PipelineCollectives:
         self.calls = calls
         self.timeout = timeout
         self._loss_wire: torch.Tensor | None = None
+        on_links = links is not None and schedule is not None and device.type == "cpu" and schedule.num_ranks > 1
+        self._tree = LinkTree(schedule, rank, last_rank, links) if on_links else None
 
     def wire_device(self) -> torch.device:
         """Where collectives over the pipeline group need their tensors."""
@@ -95,9 +165,12 @@ class PipelineCollectives:
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
         """From the last stage's rank to every rank of the pipeline."""
         source = global_rank(self.group, self.last_rank)
+        described = f"pipeline rank {self.rank}: the broadcast of {what} from the last stage (rank {source})"
+        if self._tree is not None:
+            self._tree.broadcast(tensor, described)
+            return
         self.wait(Collective(lambda: dist.broadcast(tensor, src=source, group=self.group, async_op=True), [tensor],
-                             self.group, f"pipeline rank {self.rank}: the broadcast of {what} from the last stage "
-                                         f"(rank {source})"))
+                             self.group, described))
 
     def wait(self, collective: Collective) -> None:
         """Waits for any collective of the Pipeline: at most its timeout, and not once another rank failed."""

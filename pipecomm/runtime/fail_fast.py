@@ -30,9 +30,16 @@ class CallProtocol:
         self.closed = False
 
     @contextlib.contextmanager
-    def call(self, action: str) -> Iterator[None]:
+    def call(self, action: str, look_up_failures: bool = False) -> Iterator[None]:
         """One public call: refused after a failure or close, refused while another thread is in a Pipeline call,
-        and failing fast."""
+        and failing fast.
+
+        Failures other ranks published are looked up in the store first only with ``look_up_failures``, for calls
+        that might not wait on anything a failed peer stops (``trace``'s gather, an inference whose first stage only
+        sends). Every other call (``step`` above all) waits in channels, which a failed peer aborts (or whose peer's
+        death they see), and in the fail-fast collectives, which look for published failures while they wait: a
+        peer's failure stops it within milliseconds, naming its cause, without a store round trip at every start.
+        """
         self._check_usable(action)
         busy = _calls.enter(self.pipeline_rank, action)
         try:
@@ -41,7 +48,7 @@ class CallProtocol:
                     raise RuntimeError(f"Pipeline rank {self.pipeline_rank}: {action} called from thread "
                                        f"{threading.current_thread().name!r} while {busy}; Pipelines are not "
                                        "thread-safe: calls on one process must not overlap")
-                reasons = self.notes.reasons(self.global_rank)
+                reasons = self.notes.reasons(self.global_rank) if look_up_failures else ""
                 if reasons:
                     raise PeerFailedError(f"pipeline rank {self.pipeline_rank}: cannot {action}: {reasons}")
                 yield

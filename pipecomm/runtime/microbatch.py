@@ -47,16 +47,50 @@ def split_step(inputs: tuple, kwargs: dict, target: Any, micro_batches: int, dev
     if first:
         if not inputs and not kwargs:
             raise ValueError("step: the first stage needs the batch inputs")
-        batch_inputs = Batch(inputs, kwargs)
-        batch = batch_size(batch_inputs, "")
-        split_inputs = split(batch_inputs, micro_batches, "", device)
+        split_inputs, batch = _split_sized(Batch(inputs, kwargs), micro_batches, "", device)
     if last:
         if target is None:
             raise ValueError("step: the last stage needs target=")
         targets = target if isinstance(target, tuple) else (target,)
-        target_batch = batch_size(targets, "target")
-        split_targets = split(targets, micro_batches, "target", device)
+        split_targets, target_batch = _split_sized(targets, micro_batches, "target", device)
     return split_inputs, split_targets, batch, target_batch
+
+
+def _split_sized(batch: Any, micro_batches: int, what: str, device: torch.device) -> tuple[list, int | None]:
+    """A training batch's micro-batches and its batch size: at once for plain tensors, else through ``split``."""
+    plain = _split_plain(batch, micro_batches, device)
+    if plain is not None:
+        return plain
+    size = batch_size(batch, what)
+    return split(batch, micro_batches, what, device), size
+
+
+def _split_plain(batch: Any, micro_batches: int, device: torch.device) -> tuple[list, int] | None:
+    """``split`` of the usual training batch, a ``Batch`` of tensor arguments or a tuple of tensor targets, without
+    pytree passes (under half its time); None for anything else (other leaves, nesting, 0-d tensors, sizes that
+    differ or do not divide), which ``split`` handles or names in its error."""
+    if type(batch) is Batch:
+        positional, keyword = batch.inputs, batch.kwargs
+        if type(positional) is not tuple or type(keyword) is not dict:
+            return None
+        tensors = [*positional, *keyword.values()]
+    elif type(batch) is tuple:
+        positional, keyword = batch, None
+        tensors = list(batch)
+    else:
+        return None
+    if not tensors or any(type(tensor) is not torch.Tensor or tensor.dim() == 0 for tensor in tensors):
+        return None
+    size = tensors[0].shape[0]
+    if size % micro_batches or any(tensor.shape[0] != size for tensor in tensors):
+        return None
+    if device is not None:
+        tensors = [tensor.to(device, non_blocking=True) for tensor in tensors]
+    parts = zip(*(tensor.tensor_split(micro_batches, dim=0) for tensor in tensors))
+    if keyword is None:
+        return list(parts), size
+    count, keys = len(positional), list(keyword)
+    return [Batch(chunks[:count], dict(zip(keys, chunks[count:]))) for chunks in parts], size
 
 
 def batch_size(batch: Any, what: str) -> int | None:
