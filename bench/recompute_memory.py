@@ -73,8 +73,7 @@ def measure(config_name: str, p: int, mode: str, device: torch.device, dtype: to
             saved = _Kept(parameters)
             with saved.observe():
                 output = module(x)
-            for sent in stage_runner._held_only_by_themselves([output]):  # as after its send
-                sent.data = torch.empty((1,), dtype=sent.dtype, device=sent.device)
+            stage_runner.free_data(stage_runner._held_only_by_themselves([output]))  # as after its send
             outputs.append(output)
             kept.append(saved.nbytes)
         for output, grad in zip(outputs, output_grads):

@@ -219,8 +219,7 @@ def test_sent_outputs_are_freed_only_where_no_recomputation_reads_them(recompute
     outputs = list(stage(x))
     freeable = stage_runner._held_only_by_themselves(outputs)
     pointers = [output.untyped_storage().data_ptr() for output in outputs]
-    for output in freeable:
-        output.data = torch.empty((1,), dtype=output.dtype)
+    stage_runner.free_data(freeable)
     freed = [output.untyped_storage().data_ptr() != pointer for output, pointer in zip(outputs, pointers)]
     # Whole: the stage's outputs are recomputed. Selective: the gate's keyword input, also sent, is read by its
     # recomputation, so it stays; the gate's own output is recomputed.

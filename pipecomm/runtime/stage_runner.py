@@ -88,9 +88,7 @@ class EagerStage:
     def outputs_sent(self, micro_batch: int) -> None:
         """The forward's outputs were sent: their data goes where no backward reads it."""
         held = self.micro_batches[micro_batch]
-        for tensor in held.freeable:
-            # Megatron's deallocate_output_tensor: the autograd node lives on, the data goes.
-            tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)
+        free_data(held.freeable)
         held.freeable = []
 
     def backward(self, micro_batch: int) -> None:
@@ -215,6 +213,13 @@ def _held_only_by_themselves(outputs: Sequence[torch.Tensor]) -> list[torch.Tens
         return []
     return [tensor for tensor in outputs if tensor.grad_fn is not None and tensor._base is None
             and _sole_user(tensor)]
+
+
+def free_data(tensors: Sequence[torch.Tensor]) -> None:
+    """Megatron's deallocate_output_tensor: each tensor's autograd node lives on, its data goes (for
+    ``_held_only_by_themselves``'s tensors only)."""
+    for tensor in tensors:
+        tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)
 
 
 def _sole_user(tensor: torch.Tensor) -> bool:
