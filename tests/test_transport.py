@@ -439,22 +439,27 @@ def test_peer_death_is_reported_not_waited_on(tmp_path):
     assert run_ranks(2, peer_dies, tmp_path, timeout=30, may_exit=frozenset({0})) == [0, "reported"]
 
 
-def leave_segments_behind(rank: int, world_size: int) -> list:
+def leave_segments_behind(rank: int, world_size: int) -> tuple:
     channel = transport.connect(1 - rank, backend="shm", timeout=30)
-    channel.send([torch.ones(1000)])
-    channel.recv()
+    channel.send([torch.ones(1000), torch.tensor([os.getpid()])])
+    pids = {os.getpid(), int(channel.recv()[1].item())}
     if rank == 0:
         os._exit(0)
     time.sleep(0.5)
     # Names are unlinked once both ends have mapped them, so a crash leaves nothing in /dev/shm.
-    return sorted(glob.glob("/dev/shm/pipecomm.*"))
+    return pids, this_worlds_segments(pids)
+
+
+def this_worlds_segments(pids: set) -> set:
+    # Only this world's names: the other pytest shard makes segments of its own meanwhile.
+    return {path for path in glob.glob("/dev/shm/pipecomm.*") if any(f".pid{pid}." in path for pid in pids)}
 
 
 def test_no_shared_memory_left_after_a_crash(tmp_path):
-    before = set(glob.glob("/dev/shm/pipecomm.*"))
-    _, left_while_survivor_open = run_ranks(2, leave_segments_behind, tmp_path, timeout=30, may_exit=frozenset({0}))
-    assert set(left_while_survivor_open) <= before
-    assert set(glob.glob("/dev/shm/pipecomm.*")) <= before
+    _, (pids, left_while_survivor_open) = run_ranks(2, leave_segments_behind, tmp_path, timeout=30,
+                                                    may_exit=frozenset({0}))
+    assert left_while_survivor_open == set()
+    assert this_worlds_segments(pids) == set()
 
 
 def bad_input(rank: int, world_size: int) -> str:
