@@ -426,14 +426,18 @@ class Rank:
 
         return step, lambda: None, None
 
-    def run_until_planned(self, step: Callable[[], torch.Tensor], pipe: Any, result: dict[str, Any]) -> torch.Tensor:
-        """schedule="auto" after its first step: the rest of its measured steps (zb-h1), then one untimed step of its
-        plan, whose loss it returns, so that the row checks, times and (peak memory) measures the plan alone. Notes
-        the plan."""
-        for _ in range(WARMUP_STEPS + MEASURED_STEPS - 1):
+    def run_until_settled(self, step: Callable[[], torch.Tensor], pipe: Any, result: dict[str, Any]) -> torch.Tensor:
+        """schedule="auto" after its first step: the rest of its measured steps (zb-h1) and its trials of the plan and
+        1f1b, then one untimed step of the schedule it settled on, whose loss it returns, so that the row checks,
+        times and (peak memory) measures that schedule alone. Notes the schedule and the trials' step times."""
+        most = 3 * (WARMUP_STEPS + MEASURED_STEPS)  # the starting schedule, the plan and 1f1b
+        for _ in range(most - 1):
+            if pipe.auto_step_times is not None:
+                break
             step()
-        if pipe.planned_costs is None:
-            raise RuntimeError(f"auto has not planned after {WARMUP_STEPS + MEASURED_STEPS} steps")
+        if pipe.auto_step_times is None:
+            raise RuntimeError(f"auto has not settled on a schedule after {most} steps")
+        result["auto_step_times_ms"] = [(name, seconds * 1e3) for name, seconds in pipe.auto_step_times]
         result["planned_schedule"] = pipe.schedule.name
         result["planned_costs_ms"] = {kind: seconds * 1e3 for kind, seconds in pipe.planned_costs.items()}
         result["planned_theory"] = simulate(pipe.schedule).bubble_fraction
@@ -454,7 +458,7 @@ class Rank:
                 step, close, pipe = self.pipecomm_runner(config, name)
             loss = step()  # first step: connects, infers shapes; not timed
             if base_schedule(name) == AUTO:
-                loss = self.run_until_planned(step, pipe, result)
+                loss = self.run_until_settled(step, pipe, result)
             result["loss"] = float(loss) if loss is not None else None
             self.synchronize()
             samples, wall_ms = self.time_steps(step, self.args.warmup, self.args.steps)
@@ -564,6 +568,7 @@ def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -
                 row["planned_schedule"] = per_rank[0]["planned_schedule"]
                 row["planned_costs_ms"] = per_rank[0]["planned_costs_ms"]
                 row["theory"] = per_rank[0]["planned_theory"]
+                row["auto_step_times_ms"] = per_rank[0]["auto_step_times_ms"]
             if all("rank_bubble" in r for r in per_rank):
                 row["rank_bubble"] = "/".join(f"{r['rank_bubble']:.3f}" for r in per_rank)
             losses = [r.get("loss") for r in per_rank]
@@ -871,8 +876,9 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows:
             if "planned_schedule" in row:
                 costs = "/".join(f"{row['planned_costs_ms'][kind]:.3f}" for kind in ("F", "I", "W"))
-                print(f"# {name}: {row['schedule']} planned {row['planned_schedule']} for the slowest rank's "
-                      f"F/I/W = {costs} ms (theory = its simulated bubble)")
+                tried = ", ".join(f"{schedule} {ms:.2f}" for schedule, ms in row["auto_step_times_ms"])
+                print(f"# {name}: {row['schedule']} planned for the slowest rank's F/I/W = {costs} ms, tried "
+                      f"(step ms) {tried}, kept {row['planned_schedule']} (theory = its simulated bubble)")
         if "reference_loss" in summary:
             print(f"# {name}: one-process loss {summary['reference_loss']:.6f}; largest relative difference of a "
                   f"row's first-step loss {summary['reference_spread']} (tolerance {REFERENCE_TOLERANCE:g})")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import sys
 import time
@@ -95,6 +96,7 @@ class HostMeter:
 
     def __init__(self) -> None:
         self.active = False
+        self.label = False  # each call a torch.profiler range named by its kind (--trace)
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._nested: list[float] = []  # per open call: the time its metered callees took
@@ -108,6 +110,9 @@ class HostMeter:
     def timed(self, original: Callable, kind: str) -> Callable:
         @functools.wraps(original)
         def metered(*args, **kwargs):
+            if self.label:
+                with torch.profiler.record_function(kind):
+                    return original(*args, **kwargs)
             if not self.active:
                 return original(*args, **kwargs)
             self._nested.append(0.0)
@@ -309,13 +314,66 @@ def measure(row: str, model: str, shape: Shape, module: nn.Module, rank: int, de
                 other.append(thread[-1] - (sum(meter.seconds.values()) - metered_before))
         per_call = {kind: meter.seconds[kind] / meter.calls[kind] for kind in ACTIONS if meter.calls.get(kind)}
         calls = {kind: meter.calls[kind] // args.steps for kind in ACTIONS if meter.calls.get(kind)}
+        device_time = trace_step(row, model, rank, step, inputs, target, module, meter, args) if args.trace else None
     finally:
         meter.restore()
         close()
     return {"row": row, "model": model, "table": table_name(model, shape, args), "rank": rank,
             "thread_us": _median_us(thread), "process_us": _median_us(process),
             "wall_ms": statistics.median(wall) * 1e3, "other_us": _median_us(other),
-            "per_call_us": {kind: seconds * 1e6 for kind, seconds in per_call.items()}, "calls_per_step": calls}
+            "per_call_us": {kind: seconds * 1e6 for kind, seconds in per_call.items()}, "calls_per_step": calls,
+            "device_time": device_time}
+
+
+def trace_step(row: str, model: str, rank: int, step: Callable, inputs: torch.Tensor, target: torch.Tensor,
+               module: nn.Module, meter: HostMeter, args: argparse.Namespace) -> dict[str, float]:
+    """One more step under torch.profiler, each action a named range: its chrome trace in ``args.trace`` and what
+    the device did meanwhile (``device_summary``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize = torch.cuda.synchronize if inputs.is_cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if inputs.is_cuda else [])]
+    dist.barrier()
+    synchronize()
+    meter.label = True
+    with profile(activities=activities) as profiler:
+        step(inputs, target=target)
+        synchronize()
+    meter.label = False
+    module.zero_grad(set_to_none=True)
+    path = Path(args.trace) / f"{model}-{row.replace(' ', '_')}-rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(path))
+    return device_summary(json.loads(path.read_text()))
+
+
+def device_summary(trace: dict) -> dict[str, float]:
+    """From a chrome trace, in milliseconds: the span from the first device event to the last, the time any kernel or
+    copy ran (their union over streams), kernels' and copies' summed time, and the idle time in gaps of over 50 us,
+    split by what the device waited for: the host, when the next kernel or copy was launched after the gap began
+    (host-bound), or something else (a wait on another stream or rank) when it was already queued."""
+    launched = {event["args"]["correlation"]: event["ts"] for event in trace["traceEvents"]
+                if event.get("cat") == "cuda_runtime" and "correlation" in event.get("args", {})}
+    events = sorted((event["ts"], event["ts"] + event["dur"], event["cat"],
+                     launched.get(event.get("args", {}).get("correlation"), float("-inf")))
+                    for event in trace["traceEvents"]
+                    if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not events:
+        return {}
+    busy = waiting_for_host = waiting_queued = 0.0
+    end = events[0][0]
+    for start, finish, _, launch in events:
+        if start - end > 50:
+            host_part = min(max(0.0, launch - end), start - end)
+            waiting_for_host += host_part
+            waiting_queued += start - end - host_part
+        busy += max(0.0, finish - max(start, end))
+        end = max(end, finish)
+    return {"span_ms": (end - events[0][0]) / 1e3, "busy_ms": busy / 1e3,
+            "kernel_ms": sum(f - s for s, f, cat, _ in events if cat == "kernel") / 1e3,
+            "copy_ms": sum(f - s for s, f, cat, _ in events if cat != "kernel") / 1e3,
+            "kernels": sum(cat == "kernel" for _, _, cat, _ in events),
+            "idle_for_host_ms": waiting_for_host / 1e3, "idle_queued_ms": waiting_queued / 1e3}
 
 
 def _median_us(values: list[float]) -> float:
@@ -383,6 +441,12 @@ def table(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return rows
 
 
+def device_rows(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [{"runner": result["row"], "rank": result["rank"], **(result["device_time"] or {})}
+            for result in sorted(results, key=lambda result: (result["row"], result["rank"])) if result["table"] == name]
+
+
+DEVICE_COLUMNS = ["runner", "rank", "span_ms", "busy_ms", "kernel_ms", "copy_ms", "kernels", "idle_for_host_ms", "idle_queued_ms"]
 COLUMNS = ["runner", "thread_us", "vs_torch", "process_us", "wall_ms", "wall_vs_torch", *ACTIONS, "other_us"]
 
 
@@ -401,6 +465,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--trace", metavar="DIR", default=None,
+                        help="one more step per row under torch.profiler: chrome traces here, device time in the JSON")
     args = parser.parse_args()
     args.model_list = [model for model in args.models.split(",") if model]
     unknown = set(args.model_list) - set(MODELS)
@@ -430,6 +496,9 @@ def main() -> None:
                   f"(host CPU time in microseconds; per call for the actions, per step for the rest)")
             tables[name] = table(results, name)
             print_table(tables[name], COLUMNS)
+            if args.trace:
+                print("device time of one traced step (ms; per rank):")
+                print_table(device_rows(results, name), DEVICE_COLUMNS)
     if args.json:
         write_json(args.json, {"env": env, "args": {k: v for k, v in vars(args).items() if not k.endswith("_list")},
                                "tables": tables, "ranks": results})

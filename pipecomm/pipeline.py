@@ -74,8 +74,11 @@ class Pipeline:
     and 2p - 1 - r). ``schedule`` is a name of ``pipecomm.schedules.schedule.SCHEDULES``, a ``Schedule``
     (``pipecomm.make_schedule``, e.g. zb-v built for measured costs) or ``"auto"``: the first three
     steps run zb-h1 (one stage per rank) or zb-v (two in a V) and time each rank's F, I and W (on
-    GPUs with CUDA events), then every rank switches to ``pipecomm.plan_schedule``'s plan for the
-    slowest rank's costs at 1f1b's activation memory (``pipe.schedule``, ``pipe.planned_costs``).
+    GPUs with CUDA events); every rank then computes ``pipecomm.plan_schedule``'s plan for the
+    slowest rank's costs at 1f1b's activation memory (``pipe.planned_costs``). The plan's simulation
+    knows no host time, so the plan and, for one stage per rank, 1f1b then run three steps each, and
+    from the tenth step on ``pipe.schedule`` is whichever of the three ran its step fastest on the
+    slowest rank (``pipe.auto_step_times``: each one's name and median step seconds).
     ``group`` is the pipeline's process group, ordered by stage (default: the whole world);
     ``data_group`` holds this stage's data-parallel replicas, whose gradients are averaged
     (``pipecomm.init`` makes both).
@@ -119,7 +122,8 @@ class Pipeline:
         self.calls = fail_fast.CallProtocol(self.rank, global_rank(group, self.rank), self.stages, self._abort)
         self._links = NeighbourLinks()
         self._prepared: PreparedStages | None = None
-        self.planned_costs: dict[str, float] | None = None  # schedule="auto": the F, I and W it planned for
+        self.planned_costs: dict[str, float] | None = None  # schedule="auto": the F, I and W it plans for
+        self.auto_step_times: list[tuple[str, float]] | None = None  # schedule="auto": each schedule it tried
         with self.calls.failing("building the Pipeline"):
             check_configuration(modules, stages, num_stages, self.num_ranks, schedule)
             auto = schedule == "auto"
@@ -144,7 +148,8 @@ class Pipeline:
             self._collectives = PipelineCollectives(group, self.rank, self.schedule.stage_rank(num_stages - 1),
                                                     self.device, self.calls, timeout, self._links.channels,
                                                     self.schedule)
-            self._planner = AutoPlanner(self._collectives, self.num_ranks, micro_batches) if auto else None
+            self._planner = (AutoPlanner(self._collectives, self.num_ranks, micro_batches, self.schedule) if auto
+                             else None)
             shared = (SharedParameters(self.modules, lambda s: global_rank(group, self.schedule.stage_rank(s)))
                       if dist.is_initialized() else None)
             self._gradients = GradientFinalizer(self._prepared.sinks, sharded, data_group, shared, self._collectives)
@@ -167,15 +172,26 @@ class Pipeline:
                                                              first=0 in self.stages,
                                                              last=self.num_stages - 1 in self.stages))
             self._prepared.check_deferral()
-            planned = self._planner.after_step(self._executor) if self._planner else None
-            if planned:
-                self.schedule, self.planned_costs = planned
-                self._prepared.switch_schedule(self.schedule, self._device_timing)
-                self._planner = None
+            if self._planner:
+                self._after_auto_step()
             self._gradients.finish_step()
             if self.num_ranks == 1:
                 return loss
             return self._collectives.broadcast_loss(loss)
+
+    def _after_auto_step(self) -> None:
+        """schedule="auto": the schedule it tries next, or settles on, from the next step on."""
+        planner = self._planner
+        following = planner.after_step(self._executor)
+        self.planned_costs = planner.costs
+        if following is None:
+            return
+        self.schedule = following
+        # Trials time their steps on the device (when on a GPU); once settled, only if the user asked to.
+        self._prepared.switch_schedule(following, self._device_timing or not planner.settled)
+        if planner.settled:
+            self.auto_step_times = planner.step_times
+            self._planner = None
 
     @torch.no_grad()
     def forward(self, *inputs, broadcast_result: bool = False, **kwargs):

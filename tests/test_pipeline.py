@@ -419,17 +419,24 @@ def test_a_schedule_that_does_not_fit_the_pipeline_is_refused():
                           schedule=forward_schedule(1, 4, (0, 0)))
 
 
-def auto_schedule(rank: int, world_size: int, chunks: int) -> tuple:
-    """schedule="auto" at 2 ranks: 5 steps (3 measured on the default, then the plan), each equal to one process."""
+def auto_schedule(rank: int, world_size: int, chunks: int, fastest: str | None, recompute: bool) -> tuple:
+    """schedule="auto" at 2 ranks for 10 steps, each equal to one process: 3 measured on the starting schedule, 3 on
+    the plan and 3 on 1f1b (those that differ from the ones before), then the fastest. With ``fastest``, that
+    schedule's steps are the ones timed shortest."""
+    if fastest is not None:
+        from pipecomm.runtime import step_trace
+
+        step_trace.step_seconds = lambda executor: 1.0 if executor.schedule.name == fastest else 2.0
     num_stages = world_size * chunks
     torch.manual_seed(0)
     stages = build_stages(num_stages)
     reference = copy.deepcopy(stages)
     mine = [rank] if chunks == 1 else [rank, 2 * world_size - 1 - rank]
     pipe = pipecomm.Pipeline([stages[s] for s in mine] if chunks > 1 else stages[rank], stage=mine if chunks > 1 else rank,
-                             num_stages=num_stages, loss_fn=loss_fn, micro_batches=4, schedule="auto", timeout=60)
+                             num_stages=num_stages, loss_fn=loss_fn, micro_batches=4, schedule="auto", timeout=60,
+                             recompute=recompute)
     names = []
-    for step in range(5):
+    for step in range(10):
         x, mask, target = batch(step)
         loss = pipe.step(x, mask, target=target)
         torch.testing.assert_close(loss, reference_grads(reference, step), rtol=1e-5, atol=1e-6)
@@ -440,19 +447,26 @@ def auto_schedule(rank: int, world_size: int, chunks: int) -> tuple:
                 ref_param.grad = None
         names.append(pipe.schedule.name)
     costs = pipe.planned_costs
+    tried = [name for name, _ in pipe.auto_step_times]
     pipe.close()
-    return names, sorted(costs) if costs else None, pipe.schedule.placement
+    # Closed, the Pipeline leaves the user's Linear layers as they were.
+    assert not any("forward" in layer.__dict__ for stage in mine for layer in stages[stage].modules())
+    return names, sorted(costs) if costs else None, pipe.schedule.placement, tried
 
 
-@pytest.mark.parametrize("chunks", [1, 2], ids=["one-stage-per-rank", "v"])
-def test_auto_measures_plans_and_trains_exactly(tmp_path, chunks):
-    results = run_ranks(2, auto_schedule, tmp_path, chunks, timeout=120)
+@pytest.mark.parametrize("chunks, fastest, recompute", [(1, "1f1b", False), (1, "zb-h1", True), (2, None, False)],
+                         ids=["1f1b-timed-fastest", "zb-h1-timed-fastest-after-1f1b-recomputing", "v"])
+def test_auto_measures_plans_tries_and_keeps_the_fastest_exactly(tmp_path, chunks, fastest, recompute):
+    results = run_ranks(2, auto_schedule, tmp_path, chunks, fastest, recompute, timeout=120)
     initial = "zb-h1" if chunks == 1 else "zb-v"
-    for names, costs, placement in results:
-        # The third step is the last measured one; the plan takes over when it ends.
-        assert names[:2] == [initial] * 2 and names[2] == names[3] == names[4], names
+    for names, costs, placement, tried in results:
+        assert names[:2] == [initial] * 2, names  # the third step is the last measured one
+        assert tried[0] == initial and (chunks == 2 or tried[-1] == "1f1b"), tried
+        assert names[3 * len(tried) - 1:] == [names[-1]] * (11 - 3 * len(tried)), names  # settled
         assert costs == ["F", "I", "W"]
-    assert results[0] == results[1]  # every rank switched to the same plan
+        if fastest is not None:
+            assert names[-1] == fastest and "1f1b" in names, names
+    assert results[0] == results[1]  # every rank tried and kept the same schedules
     assert results[0][2] == ((0, 1) if chunks == 1 else (0, 1, 1, 0))
 
 

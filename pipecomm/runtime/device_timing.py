@@ -41,6 +41,11 @@ class DeviceTimeline:
         return [(origin.elapsed_time(self._marks[i]) / 1e3, origin.elapsed_time(self._marks[i + 1]) / 1e3)
                 for i in range(0, self._used, 2)]
 
+    def step_seconds(self) -> float:
+        """The last step's GPU time, from its start to its end (waits for the end)."""
+        self._step[1].synchronize()
+        return self._step[0].elapsed_time(self._step[1]) / 1e3
+
     def bubble_fraction(self) -> float:
         """The share of the last step's GPU time, from its start to its end, not spent in compute actions."""
         if self._used == 0:

@@ -50,7 +50,7 @@ class StageExecutor:
         self.stages: dict[int, EagerStage] = {}
         for stage, module in modules.items():
             loss = self._scaled_loss if stage == self.last_stage else None
-            store = weight_grad_store if any(a.kind == "I" and a.stage == stage for a in schedule.actions[rank]) else None
+            store = weight_grad_store if schedule.splits_backward(rank, stage) else None
             if cuda_graphs:  # built (and the schedule checked) here, before any communication; captured at the first F
                 graphed = GraphedStage(module, sinks[stage].params, in_flight_slots(schedule, rank, stage), stage, loss,
                                        store)
@@ -65,13 +65,13 @@ class StageExecutor:
             "SEND_B": self._send_backward, "RECV_B": self._recv_backward,
         }
 
-    def switch_schedule(self, schedule: Schedule, device_timing: bool) -> None:
-        """From the next step on, ``schedule`` (on the same placement); a stage it gives no I pass needs no
-        weight-gradient store, and without ``device_timing`` no device timeline."""
+    def switch_schedule(self, schedule: Schedule, weight_grad_store: WeightGradStore | None,
+                        device_timing: bool) -> None:
+        """From the next step on, ``schedule`` (on the same placement): the stages it gives I passes defer to
+        ``weight_grad_store``, the others to none; without ``device_timing``, no device timeline."""
         self.schedule = schedule
         for stage, runner in self.stages.items():
-            if not any(action.kind == "I" and action.stage == stage for action in schedule.actions[self.rank]):
-                runner.weight_grad_store = None
+            runner.weight_grad_store = weight_grad_store if schedule.splits_backward(self.rank, stage) else None
         if not device_timing:
             self.device_timeline = None
 

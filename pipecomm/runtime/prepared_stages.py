@@ -22,10 +22,6 @@ def _nothing() -> None:
     pass
 
 
-def _splits_backward(schedule: Schedule, rank: int) -> bool:
-    return any(action.kind == "I" for action in schedule.actions[rank])
-
-
 class PreparedStages:
     """The executor over this rank's stage modules, and what was changed in those modules for it."""
 
@@ -37,14 +33,17 @@ class PreparedStages:
         self.sinks = {stage: GradientSink(list(module.parameters()), main_grad,
                                           live=module if sharded.holds(stage) else None)
                       for stage, module in modules.items()}
-        # The zero-bubble machinery only where this rank's schedule splits a backward into I and W.
-        store = self.weight_grad_store = WeightGradStore() if _splits_backward(schedule, rank) else None
+        self._modules = list(modules.values())
+        self._recompute = recompute
+        self._cuda_graphs = cuda_graphs
+        self.weight_grad_store: WeightGradStore | None = None
+        self._undo_deferral = self._undo_recompute = _nothing
+        self._fitted_to_split: bool | None = None  # whether the modules are fitted to a split backward; None: not fitted
+        self._fit_modules(schedule)
         self.executor = StageExecutor(schedule, rank, modules, self.sinks, channels, loss_fn,
-                                      on_stage_backward_done=on_stage_backward_done, weight_grad_store=store,
-                                      cuda_graphs=cuda_graphs, device_timeline=device_timeline)
-        self._undo_deferral = defer_linear_weight_grads(modules.values(), store) if store else _nothing
-        # After the deferral: a recomputed Linear then recomputes the deferring forward.
-        self._undo_recompute = checkpoint_stages(list(modules.values()), recompute, cuda_graphs=cuda_graphs)
+                                      on_stage_backward_done=on_stage_backward_done,
+                                      weight_grad_store=self.weight_grad_store, cuda_graphs=cuda_graphs,
+                                      device_timeline=device_timeline)
         self._deferral_checked = False
 
     def check_deferral(self) -> None:
@@ -55,15 +54,27 @@ class PreparedStages:
                                      sorted(self.executor.stages))
 
     def switch_schedule(self, schedule: Schedule, device_timing: bool) -> None:
-        """From the next step on, ``schedule``; a rank it gives no I pass has its Linear layers restored."""
-        self.executor.switch_schedule(schedule, device_timing)
-        if self.weight_grad_store and not _splits_backward(schedule, self.rank):
-            self.weight_grad_store = None
-            self._undo_deferral()
-            self._undo_deferral = _nothing
+        """From the next step on, ``schedule``: its Linear layers defer if it splits this rank's backward, and run
+        as the user's otherwise."""
+        self._fit_modules(schedule)
+        self.executor.switch_schedule(schedule, self.weight_grad_store, device_timing)
 
     def restore(self) -> None:
         """The user's modules as they were: recomputation undone first, as it wraps the deferring forward."""
         self._undo_recompute()
         self._undo_deferral()
         self._undo_recompute = self._undo_deferral = _nothing
+        self._fitted_to_split = None
+
+    def _fit_modules(self, schedule: Schedule) -> None:
+        """The zero-bubble machinery only where this rank's schedule splits a backward into I and W, and the
+        recomputation around it (a recomputed Linear then recomputes the deferring forward)."""
+        splits = schedule.splits_backward(self.rank)
+        if splits == self._fitted_to_split:
+            return
+        self.restore()
+        self.weight_grad_store = WeightGradStore() if splits else None
+        if self.weight_grad_store:
+            self._undo_deferral = defer_linear_weight_grads(self._modules, self.weight_grad_store)
+        self._undo_recompute = checkpoint_stages(self._modules, self._recompute, cuda_graphs=self._cuda_graphs)
+        self._fitted_to_split = splits

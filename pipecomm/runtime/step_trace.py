@@ -25,6 +25,15 @@ def bubble_fraction(executor: StageExecutor) -> float:
     return max(0.0, 1.0 - busy / span) if span > 0 else 0.0
 
 
+def step_seconds(executor: StageExecutor) -> float:
+    """How long the rank's last step took: the GPU's time from its start to its end with a device timeline (a
+    step the host cannot keep fed takes as long as the host does), else the host's."""
+    if executor.device_timeline:
+        return executor.device_timeline.step_seconds()
+    timeline = executor.timeline
+    return timeline[-1][1] - timeline[0][0] if timeline else 0.0
+
+
 def compute_spans(executor: StageExecutor) -> list[tuple[float, float, Action]]:
     """(start, end, action) of the last step's compute actions: CUDA-event times (seconds from the step's start)
     with a device timeline, else the host clock."""

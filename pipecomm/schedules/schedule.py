@@ -102,6 +102,10 @@ class Schedule:
     def stages_per_rank(self) -> int:
         return self.num_stages // self.num_ranks
 
+    def splits_backward(self, rank: int, stage: int | None = None) -> bool:
+        """Whether ``rank`` runs I passes (of ``stage``, or of any of its stages): the zero-bubble split backward."""
+        return any(action.kind == "I" and stage in (None, action.stage) for action in self.actions[rank])
+
 
 def looped_placement(num_ranks: int, num_stages: int) -> tuple[int, ...]:
     return tuple(stage % num_ranks for stage in range(num_stages))
