@@ -1,0 +1,134 @@
+"""Activation offload planned from the schedule: which micro-batches' saved activations go to host memory while they
+wait, when each comes back, and the peak activation memory that leaves.
+
+A rank's micro-batch waits, between its forward and the backward that reads its activations, for as long as the
+schedule says: in 1F1B the first stage's oldest waits about 2(p - 1) passes; in a zero-bubble schedule the inputs of
+the W pass wait again between I and W. A copy engine can move them to host memory meanwhile and another bring them
+back, without slowing the compute, when the wait holds both copies. The plan takes the simulated timeline of the
+schedule, keeps the waits that hold both copies (each direction one copy at a time, as one copy engine runs them),
+starts each copy back as late as it can and still be done when the pass that reads it starts, and gives the
+runtime the action before which to start it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from pipecomm.schedules.kinds import Kind
+from pipecomm.schedules.schedule import Action, Schedule
+
+__all__ = ["OffloadPlan", "plan_offload"]
+
+# What waits: (stage, micro-batch, the pass that saved it): "F" the forward's saved activations, read by B or I; "I"
+# the W pass's inputs, kept from the I pass.
+Wait = tuple[int, int, str]
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Per rank: the waits (``Wait``) that go to host memory when the pass that saved them ends; for each, the index in
+    the rank's actions before which its copy back starts; and the peak activation memory with and without offload,
+    in units of one rank's share of the model (as ``simulate``'s ``peak_memory``)."""
+
+    offloaded: tuple[frozenset[Wait], ...]
+    reload_before: tuple[Mapping[Wait, int], ...]
+    peak_memory: tuple[float, ...]
+    peak_memory_without: tuple[float, ...]
+
+    def reloads_at(self, rank: int) -> dict[int, list[Wait]]:
+        """Action index -> the waits whose copy back starts right before that action, on ``rank``."""
+        starts: dict[int, list[Wait]] = {}
+        for wait, index in sorted(self.reload_before[rank].items(), key=lambda item: item[1]):
+            starts.setdefault(index, []).append(wait)
+        return starts
+
+
+def plan_offload(schedule: Schedule, timeline: tuple[tuple[tuple[float, float, Action], ...], ...],
+                 offload_time: float, reload_time: float) -> OffloadPlan:
+    """The plan for ``schedule`` whose compute ran as ``timeline`` (``simulate(...).timeline``: per rank, (start, end,
+    action) of each compute pass), where copying one micro-batch's activations of one rank's share of the model to
+    host memory takes ``offload_time`` and back ``reload_time`` (on a schedule with v stages per rank, a stage's
+    share holds 1/v of that and copies in 1/v of the time). The W pass's inputs count as a whole share here, as the
+    memory model holds a micro-batch's share until its W."""
+    if offload_time < 0 or reload_time < 0:
+        raise ValueError(f"plan_offload: copy times must be >= 0, got offload_time={offload_time}, "
+                         f"reload_time={reload_time}")
+    share = 1.0 / schedule.stages_per_rank
+    offloaded, reload_before, peaks, peaks_without = [], [], [], []
+    for rank, passes in enumerate(timeline):
+        held, waits = _held_and_waits(passes)
+        chosen = _fit_copies(waits, offload_time * share, reload_time * share)
+        offloaded.append(frozenset(chosen))
+        reload_before.append({wait: _index_before(schedule.actions[rank], passes, reload_start)
+                              for wait, (_, reload_start) in chosen.items()})
+        peaks.append(_peak(held, share, chosen.values()))
+        peaks_without.append(_peak(held, share, ()))
+    return OffloadPlan(tuple(offloaded), tuple(reload_before), tuple(peaks), tuple(peaks_without))
+
+
+@dataclass(frozen=True)
+class _Span:
+    start: float  # when what waits is complete: the end of the pass that saved it
+    end: float  # when the pass that reads it starts
+
+
+def _held_and_waits(passes: tuple[tuple[float, float, Action], ...]) -> tuple[list[tuple[float, float]], dict[Wait, _Span]]:
+    """Each micro-batch's share on the device from its forward's start to its last backward pass's end, and its
+    waits: from F's end to the start of B or I, and from I's end to W's start."""
+    found: dict[tuple[int, int], dict[str, tuple[float, float]]] = {}
+    for start, end, action in passes:
+        found.setdefault((action.stage, action.micro_batch), {})[action.kind] = (start, end)
+    held, waits = [], {}
+    for (stage, micro_batch), spans in found.items():
+        backward = spans.get(Kind.B) or spans.get(Kind.I)
+        if Kind.F not in spans or backward is None:
+            continue
+        held.append((spans[Kind.F][0], (spans.get(Kind.W) or backward)[1]))
+        waits[(stage, micro_batch, "F")] = _Span(spans[Kind.F][1], backward[0])
+        if Kind.I in spans and Kind.W in spans:
+            waits[(stage, micro_batch, "I")] = _Span(spans[Kind.I][1], spans[Kind.W][0])
+    return held, waits
+
+
+def _fit_copies(waits: dict[Wait, _Span], offload_time: float, reload_time: float) -> dict[Wait, tuple[float, float]]:
+    """The waits that hold both copies, one copy at a time in each direction: each copy out starts when its wait does
+    (or the previous copy out ends), each copy back as late as it can end by its wait's end with the later copies
+    back after it. Returns each one's copy out end and copy back start."""
+    offload_ends: dict[Wait, float] = {}
+    engine_free = float("-inf")
+    for wait in sorted(waits, key=lambda wait: waits[wait].start):
+        end = max(waits[wait].start, engine_free) + offload_time
+        if end + reload_time <= waits[wait].end:
+            offload_ends[wait] = end
+            engine_free = end
+    chosen: dict[Wait, tuple[float, float]] = {}
+    next_start = float("inf")
+    for wait in sorted(offload_ends, key=lambda wait: waits[wait].end, reverse=True):
+        start = min(waits[wait].end, next_start) - reload_time
+        if start < offload_ends[wait]:
+            continue  # the copies back after it leave it no room: it stays on the device
+        chosen[wait] = (offload_ends[wait], start)
+        next_start = start
+    return chosen
+
+
+def _index_before(actions: tuple[Action, ...], passes: tuple[tuple[float, float, Action], ...], time: float) -> int:
+    """The index of the compute action running at ``time`` (or the last to start before it): a copy started right
+    before it starts no later than ``time``."""
+    started = [action for start, _, action in passes if start <= time]
+    return actions.index(started[-1]) if started else 0
+
+
+def _peak(held: list[tuple[float, float]], share: float, away: Iterable[tuple[float, float]]) -> float:
+    """The most activations on the device at once: each micro-batch's share while ``held``, but for the times
+    ``away`` (from a copy out's end to the copy back's start)."""
+    events = [(start, share) for start, _ in held] + [(end, -share) for _, end in held]
+    for gone, back in away:
+        events += [(gone, -share), (back, share)]
+    # At equal times the frees come first: a pass that ends as another starts does not hold both.
+    live = peak = 0.0
+    for _, change in sorted(events):
+        live += change
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,57 @@
+"""plan_offload: which waits of a schedule's activations go to host memory, when they come back, and the peak left."""
+
+from __future__ import annotations
+
+import pytest
+
+import pipecomm
+from pipecomm.schedules.offload import plan_offload
+
+COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def plan_for(name: str, num_ranks: int, micro_batches: int, copy_time: float):
+    schedule = pipecomm.make_schedule(name, num_ranks, micro_batches, 2 if name == "interleaved-1f1b" else None)
+    simulated = pipecomm.simulate(schedule, COSTS)
+    return schedule, simulated, plan_offload(schedule, simulated.timeline, copy_time, copy_time)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b"])
+@pytest.mark.parametrize("copy_time", [0.25, 1.0, 100.0])
+def test_copies_fit_their_waits_and_come_back_before_the_pass_that_reads_them(name, copy_time):
+    schedule, simulated, plan = plan_for(name, 4, 8, copy_time)
+    assert plan.peak_memory_without == simulated.peak_memory
+    for rank, actions in enumerate(schedule.actions):
+        assert plan.peak_memory[rank] <= plan.peak_memory_without[rank]
+        assert set(plan.reload_before[rank]) == plan.offloaded[rank]
+        for (stage, micro_batch, saved_by), index in plan.reload_before[rank].items():
+            kinds = {action.kind: position for position, action in enumerate(actions)
+                     if (action.stage, action.micro_batch) == (stage, micro_batch) and action.is_compute}
+            readers = ("B", "I") if saved_by == "F" else ("W",)
+            reader = min(kinds[kind] for kind in readers if kind in kinds)
+            # Started after the pass that saved it, and by the pass that reads it.
+            assert kinds[saved_by] < index <= reader, (rank, stage, micro_batch, saved_by, index, actions)
+    if copy_time == 100.0:  # no wait holds such copies
+        assert plan.offloaded == (frozenset(),) * 4 and plan.peak_memory == plan.peak_memory_without
+
+
+def test_offload_brings_1f1b_first_stage_and_zb_h2_below_1f1b_memory():
+    _, _, plan = plan_for("1f1b", 4, 8, 0.5)
+    assert plan.peak_memory_without[0] == 4 and plan.peak_memory[0] == 2
+    assert (0, 0, "F") in plan.offloaded[0] and not any(stage == 3 for stage, _, _ in plan.offloaded[3])
+    _, _, plan = plan_for("zb-h2", 4, 8, 0.5)
+    assert max(plan.peak_memory_without) == 8 and max(plan.peak_memory) <= 4
+    assert any(saved_by == "I" for waits in plan.offloaded for _, _, saved_by in waits)  # W's inputs wait too
+
+
+def test_reloads_are_grouped_by_the_action_they_start_before():
+    schedule, _, plan = plan_for("1f1b", 4, 8, 0.5)
+    starts = plan.reloads_at(0)
+    assert sorted(wait for waits in starts.values() for wait in waits) == sorted(plan.offloaded[0])
+    assert all(0 <= index < len(schedule.actions[0]) for index in starts)
+
+
+def test_negative_copy_times_are_refused():
+    schedule = pipecomm.make_schedule("1f1b", 2, 4)
+    with pytest.raises(ValueError, match="copy times must be >= 0"):
+        plan_offload(schedule, pipecomm.simulate(schedule).timeline, -1.0, 1.0)
