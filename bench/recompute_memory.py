@@ -1,15 +1,22 @@
-"""One GPU: peak memory and time of 1F1B's first stage with and without recomputation (Pipeline(recompute=...)).
+"""One GPU: peak memory and time of 1F1B's first stage with and without recomputation (Pipeline(recompute=...)) and
+activation offload (Pipeline(offload=...)).
 
 The stage is stage 0 of e2e.py's 8-layer GPT stack split into p stages (8 / p layers, bf16), on the compute config
-by default. At its peak, 1F1B's first stage holds p micro-batches between forward and backward, so each round runs
-p forwards, then the p backwards (random output gradients), as that stage does in its warm-up and first steady
-steps. Each forward sends nothing but has its output freed as the executor frees a sent output (when nothing
-autograd saved shares its storage), so the memory is what the pipeline keeps. Modes: none; stage
-(``recompute=True``: each stage forward recomputed during its backward); layers (the callable picking each GPT
-block). Per mode: peak = torch.cuda.max_memory_allocated over the timed rounds; above_base = peak minus what is
-allocated before a round (weights, gradients, the batch); kept = the bytes of the storages autograd keeps per
-micro-batch, parameters aside (counted on any device); ms per micro-batch forward + backward (CUDA events).
---smoke runs toy sizes on the CPU (no memory counter there but kept) to check the control flow.
+by default. Each round runs that stage's passes of a 1F1B step of 2p micro-batches in their order (p forwards, then
+one backward and one forward in turn, then the last backwards; random output gradients), back to back: the other
+stages' passes, and the time the stage waits for them in a pipeline, are left out. At its peak it holds p
+micro-batches between forward and backward. Each forward sends nothing but has its output freed as the executor
+frees a sent output (when nothing autograd saved shares its storage), so the memory is what the pipeline keeps.
+Modes: none; stage (``recompute=True``: each stage forward recomputed during its backward); layers (the callable
+picking each GPT block); offload (the saved activations the plan picks go to pinned host memory after their
+forward and come back before their backward, on side streams: ``plan_offload`` for the 1F1B schedule of p stages,
+from this stage's F and B and the bytes and copy speeds measured here); offload+stage (both). Per mode: peak =
+torch.cuda.max_memory_allocated over the timed rounds; above_base = peak minus what is allocated before a round
+(weights, gradients, the batch); kept = the bytes of the storages autograd keeps per micro-batch, parameters aside
+(counted on any device); ms per micro-batch forward + backward (CUDA events); offloaded = how many of the round's
+micro-batches the plan sends to host memory. The copy speeds each way are printed.
+--smoke runs toy sizes on the CPU (no memory counter there but kept; offload copies host to host) to check the
+control flow.
 """
 
 from __future__ import annotations
@@ -25,14 +32,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipecomm.runtime import stage_runner  # noqa: E402
+from pipecomm.runtime.offload import ActivationOffloader  # noqa: E402
+from pipecomm.runtime.offload_planner import copy_speeds  # noqa: E402
 from pipecomm.runtime.recompute import checkpoint_stages  # noqa: E402
+from pipecomm.schedules.offload import plan_offload  # noqa: E402
+from pipecomm.schedules.schedule import make_schedule  # noqa: E402
+from pipecomm.schedules.simulation import simulate  # noqa: E402
 from _common import environment, print_environment, print_table, write_json  # noqa: E402
 from e2e import Block, build_chunk, config_named, make_batch  # noqa: E402
 
 LAYERS = 8  # e2e.py's stack
-MODES = {"none": False, "stage": True, "layers": lambda module: isinstance(module, Block)}
-COLUMNS = ["p", "mode", "layers", "peak_GiB", "above_base_GiB", "kept_MiB", "ms_per_micro_batch", "peak/none",
-           "time/none"]
+MODES = {"none": False, "stage": True, "layers": lambda module: isinstance(module, Block), "offload": False,
+         "offload+stage": True}  # mode -> recompute
+COLUMNS = ["p", "mode", "layers", "peak_GiB", "above_base_GiB", "kept_MiB", "ms_per_micro_batch", "offloaded",
+           "peak/none", "time/none"]
 
 
 class _Kept:
@@ -55,33 +68,83 @@ class _Kept:
 
 
 def measure(config_name: str, p: int, mode: str, device: torch.device, dtype: torch.dtype, warmup: int,
-            rounds: int) -> dict:
+            rounds: int, speeds: tuple[float, float]) -> dict:
     config = config_named(config_name, "gpu" if device.type == "cuda" else "smoke")
     layers = range(LAYERS // p)
     module = build_chunk(layers, config, device, dtype)
     undo = checkpoint_stages([module], MODES[mode])
+    schedule = make_schedule("1f1b", p, 2 * p)
     inputs, _ = make_batch(config, device, dtype)
-    micro_batches = inputs[: p * config.micro_batch_size].chunk(p)  # the first stage's inputs need no gradient
+    inputs = inputs[: config.micro_batch_size].repeat(2 * p, *[1] * (inputs.dim() - 1))
+    micro_batches = inputs.chunk(2 * p)  # the first stage's inputs need no gradient
     output_grads = [torch.randn_like(x) for x in micro_batches]
     parameters = {param.untyped_storage().data_ptr() for param in module.parameters()}
+    order = schedule.actions[0]
     kept: list[int] = []
-
-    def one_round() -> None:
-        outputs = []
-        kept.clear()
-        for x in micro_batches:
-            saved = _Kept(parameters)
-            with saved.observe():
-                output = module(x)
-            stage_runner.free_data(stage_runner._held_only_by_themselves([output]))  # as after its send
-            outputs.append(output)
-            kept.append(saved.nbytes)
-        for output, grad in zip(outputs, output_grads):
-            stage_runner.run_backward([output], [grad], list(module.parameters()), keep_graph=False)
-
     cuda = device.type == "cuda"
+    pass_times: dict[str, list[float]] = {"F": [], "B": []}
+
+    def timed(kind: str, work) -> None:
+        if not cuda:
+            started = time.perf_counter()
+            work()
+            pass_times[kind].append(time.perf_counter() - started)
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        pass_times[kind].append(start.elapsed_time(end) / 1e3)
+
+    def one_round(offloader: ActivationOffloader | None = None, reloads: dict | None = None,
+                  time_passes: bool = False) -> None:
+        outputs = {}
+        if offloader:
+            offloader.start()
+        else:
+            kept.clear()
+        for index, action in enumerate(order):
+            for wait in (reloads or {}).get(index, ()):
+                offloader.reload(wait)
+            micro_batch = action.micro_batch
+            if action.kind == "F":
+                def forward() -> None:
+                    if offloader:  # its hooks, innermost, see what the forward saves: kept is the first round's
+                        with offloader.saving((0, micro_batch, "F")):
+                            output = module(micro_batches[micro_batch])
+                        offloader.offload((0, micro_batch, "F"))
+                    else:
+                        saved = _Kept(parameters)
+                        with saved.observe():
+                            output = module(micro_batches[micro_batch])
+                        kept.append(saved.nbytes)
+                    stage_runner.free_data(stage_runner._held_only_by_themselves([output]))  # as after its send
+                    outputs[micro_batch] = output
+                timed("F", forward) if time_passes else forward()
+            elif action.kind == "B":
+                def backward() -> None:
+                    stage_runner.run_backward([outputs.pop(micro_batch)], [output_grads[micro_batch]],
+                                              list(module.parameters()), keep_graph=False)
+                    if offloader:
+                        offloader.forget((0, micro_batch, "F"))
+                timed("B", backward) if time_passes else backward()
+        module.zero_grad(set_to_none=True)
+
+    offloader, reloads, offloaded = None, None, 0
     for _ in range(warmup):
         one_round()
+    if mode.startswith("offload"):
+        one_round(time_passes=True)
+        activation_bytes = statistics.median(kept)
+        costs = {kind: statistics.median(times) for kind, times in pass_times.items()}
+        # Only stage 0 runs here: the others take as long as it does, as on a balanced pipeline.
+        plan = plan_offload(schedule, simulate(schedule, costs).timeline, activation_bytes / speeds[0],
+                            activation_bytes / speeds[1])
+        offloader = ActivationOffloader(device, plan.offloaded[0], module.parameters())
+        reloads = plan.reloads_at(0)
+        offloaded = len(plan.offloaded[0])
+        one_round(offloader, reloads)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -91,23 +154,20 @@ def measure(config_name: str, p: int, mode: str, device: torch.device, dtype: to
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            one_round()
+            one_round(offloader, reloads)
             end.record()
             end.synchronize()
-            samples.append(start.elapsed_time(end) / p)
+            samples.append(start.elapsed_time(end) / len(micro_batches))
         else:
             started = time.perf_counter()
-            one_round()
-            samples.append((time.perf_counter() - started) * 1e3 / p)
+            one_round(offloader, reloads)
+            samples.append((time.perf_counter() - started) * 1e3 / len(micro_batches))
     row = {"p": p, "mode": mode, "layers": len(layers), "kept_MiB": statistics.mean(kept) / 2**20,
-           "ms_per_micro_batch": statistics.median(samples)}
+           "ms_per_micro_batch": statistics.median(samples), "offloaded": offloaded}
     if cuda:
         peak = torch.cuda.max_memory_allocated(device)
         row.update(peak_GiB=peak / 2**30, above_base_GiB=(peak - base) / 2**30)
     undo()
-    del module, micro_batches, output_grads
-    if cuda:
-        torch.cuda.empty_cache()
     return row
 
 
@@ -130,9 +190,17 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
     env = environment(device)
     print_environment(env)
+    speeds = copy_speeds(device)
+    env["copy_GB_per_s"] = {"to_host": speeds[0] / 1e9, "to_device": speeds[1] / 1e9}
+    print(f"# copies between device and pinned host memory: {speeds[0] / 1e9:.1f} GB/s out, "
+          f"{speeds[1] / 1e9:.1f} GB/s back")
     rows = []
     for p in (int(value) for value in args.stages.split(",")):
-        measured = [measure(args.config, p, mode, device, dtype, args.warmup, args.rounds) for mode in modes]
+        measured = []
+        for mode in modes:
+            measured.append(measure(args.config, p, mode, device, dtype, args.warmup, args.rounds, speeds))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the mode's stage and activations are gone with its frame
         baseline = next((row for row in measured if row["mode"] == "none"), None)
         for row in measured:
             if baseline and row.get("peak_GiB") is not None:
@@ -140,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
             if baseline:
                 row["time/none"] = row["ms_per_micro_batch"] / baseline["ms_per_micro_batch"]
         rows += measured
-    print(f"# {args.config}: 1F1B stage 0 of p stages, p micro-batches in flight, on {device}")
+    print(f"# {args.config}: 1F1B stage 0 of p stages, 2p micro-batches (p in flight at the peak), on {device}")
     print_table(rows, COLUMNS)
     if args.json:
         write_json(args.json, {"env": env, "config": args.config, "rows": rows})

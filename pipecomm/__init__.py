@@ -11,6 +11,7 @@ from pipecomm.runtime.failure import PeerFailedError
 from pipecomm.parallel.mesh import ParallelContext, init
 from pipecomm.splitting.partition import StageModule, merge_checkpoints, split
 from pipecomm.pipeline import Pipeline
+from pipecomm.schedules.offload import OffloadPlan, plan_offload
 from pipecomm.schedules.planner import plan_schedule
 from pipecomm.schedules.schedule import make_schedule
 from pipecomm.schedules.simulation import simulate
@@ -21,6 +22,7 @@ except PackageNotFoundError:  # running from a source tree that was built in pla
     __version__ = "0.0.0+local"
 
 __all__ = [
+    "OffloadPlan",
     "ParallelContext",
     "PeerFailedError",
     "Pipeline",
@@ -33,6 +35,7 @@ __all__ = [
     "merge_checkpoints",
     "pack",
     "packed_nbytes",
+    "plan_offload",
     "plan_schedule",
     "simulate",
     "split",

@@ -48,7 +48,9 @@ from pipecomm.runtime.checks import check_configuration, check_options, module_d
 from pipecomm.runtime.collectives import PipelineCollectives
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.links import NeighbourLinks
+from pipecomm.runtime.offload_planner import OffloadPlanner
 from pipecomm.runtime.prepared_stages import PreparedStages
+from pipecomm.schedules.offload import OffloadPlan, check_plan
 from pipecomm.schedules.schedule import Schedule
 
 __all__ = ["Pipeline"]
@@ -90,6 +92,12 @@ class Pipeline:
     ``recompute=True`` recomputes each stage's forward during its backward (activation checkpointing),
     keeping only the stage's inputs between the two; a callable ``module -> bool`` checkpoints only the
     submodules it picks (selective recomputation, as Megatron's ``recompute_modules``).
+    ``offload=True`` moves saved activations to host memory while they wait for their backward, where the
+    schedule leaves time to copy them out and back behind compute: the first step (after "auto" settles)
+    measures the passes, the bytes each micro-batch's forward saves and the copy speed each way, then every rank
+    plans alike (``pipecomm.plan_offload``; ``pipe.offload_plan`` gives each rank's peak activation memory with
+    and without) and offloads from the next step on. An ``OffloadPlan`` made for this Pipeline's schedule is
+    used as it is. Parameters stay on the device; not with ``cuda_graphs``.
     """
 
     def __init__(
@@ -110,6 +118,7 @@ class Pipeline:
         cuda_graphs: bool = False,
         device_timing: bool = False,
         recompute: bool | Callable[[nn.Module], bool] = False,
+        offload: bool | OffloadPlan = False,
     ):
         modules = list(module) if isinstance(module, (list, tuple)) else [module]
         stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
@@ -134,9 +143,9 @@ class Pipeline:
             self.device = torch.device(device) if device is not None else module_device(modules)
             sharded = self._sharded = ShardedStages(self.modules)
             check_options(self.device, auto=auto, sharded=bool(sharded), cuda_graphs=cuda_graphs,
-                          device_timing=device_timing, main_grad=main_grad)
+                          device_timing=device_timing, main_grad=main_grad, offload=offload)
             self._device_timing = device_timing
-            timed_on_device = device_timing or (auto and self.device.type == "cuda")
+            timed_on_device = device_timing or ((auto or offload is True) and self.device.type == "cuda")
             self._prepared = PreparedStages(
                 self.schedule, self.rank, self.modules, sharded, loss_fn, self._links.channels, main_grad=main_grad,
                 cuda_graphs=cuda_graphs, recompute=recompute,
@@ -150,6 +159,12 @@ class Pipeline:
                                                     self.schedule)
             self._planner = (AutoPlanner(self._collectives, self.num_ranks, micro_batches, self.schedule) if auto
                              else None)
+            self.offload_plan: OffloadPlan | None = None
+            self._offload_planner = (OffloadPlanner(self._collectives, self.num_ranks, self.device) if offload is True
+                                     else None)
+            if isinstance(offload, OffloadPlan):
+                check_plan(offload, self.schedule)
+                self._use_offload_plan(offload)
             shared = (SharedParameters(self.modules, lambda s: global_rank(group, self.schedule.stage_rank(s)))
                       if dist.is_initialized() else None)
             self._gradients = GradientFinalizer(self._prepared.sinks, sharded, data_group, shared, self._collectives)
@@ -168,16 +183,28 @@ class Pipeline:
         bad arguments included, fails the call on every rank (see the module docstring).
         """
         with self.calls.call("step"):
+            measuring_offload = self._offload_planner is not None and self._planner is None
+            if measuring_offload:
+                self._offload_planner.before_step(self._executor, self.parameters())
             loss = self._executor.run(*microbatch.split_step(inputs, kwargs, target, self.micro_batches, self.device,
                                                              first=0 in self.stages,
                                                              last=self.num_stages - 1 in self.stages))
             self._prepared.check_deferral()
             if self._planner:
                 self._after_auto_step()
+            elif measuring_offload:
+                self._use_offload_plan(self._offload_planner.after_step(self._executor))
+                self._offload_planner = None
+                if not self._device_timing:
+                    self._executor.device_timeline = None
             self._gradients.finish_step()
             if self.num_ranks == 1:
                 return loss
             return self._collectives.broadcast_loss(loss)
+
+    def _use_offload_plan(self, plan: OffloadPlan) -> None:
+        self.offload_plan = plan
+        self._prepared.set_offload(plan, self.device)
 
     def _after_auto_step(self) -> None:
         """schedule="auto": the schedule it tries next, or settles on, from the next step on."""
@@ -187,8 +214,10 @@ class Pipeline:
         if following is None:
             return
         self.schedule = following
-        # Trials time their steps on the device (when on a GPU); once settled, only if the user asked to.
-        self._prepared.switch_schedule(following, self._device_timing or not planner.settled)
+        # Trials time their steps on the device (when on a GPU), as does offload's measuring step after them; then
+        # only if the user asked to.
+        self._prepared.switch_schedule(following, self._device_timing or not planner.settled
+                                       or self._offload_planner is not None)
         if planner.settled:
             self.auto_step_times = planner.step_times
             self._planner = None

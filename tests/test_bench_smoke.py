@@ -171,11 +171,13 @@ def test_stage_costs_measures_f_i_w_and_tabulates(tmp_path, run_bench):
     assert len(overhead["simulated"]) == 5 and "# overhead: one stage (4 layers)" in result.stdout
 
 
-def test_recompute_memory_smoke_keeps_less_with_recomputation(tmp_path, run_bench):
+def test_recompute_memory_smoke_keeps_less_with_recomputation_and_offloads(tmp_path, run_bench):
     result = run_bench("recompute_memory.py", "--stages", "2", "--json", str(tmp_path / "recompute.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["mode"]: row for row in json.loads((tmp_path / "recompute.json").read_text())["rows"]}
     assert rows["stage"]["kept_MiB"] < rows["layers"]["kept_MiB"] < rows["none"]["kept_MiB"]
+    # Two of the four micro-batches wait long enough (p forwards before the first backward) for copies of them.
+    assert rows["offload"]["offloaded"] > 0 and rows["offload+stage"]["offloaded"] > 0 and rows["none"]["offloaded"] == 0
 
 
 def test_inference_smoke_compares_with_torch_and_agrees(tmp_path, run_bench):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import pipecomm
-from pipecomm.schedules.offload import plan_offload
+from pipecomm.schedules.offload import check_plan, plan_offload
 
 COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -55,3 +57,15 @@ def test_negative_copy_times_are_refused():
     schedule = pipecomm.make_schedule("1f1b", 2, 4)
     with pytest.raises(ValueError, match="copy times must be >= 0"):
         plan_offload(schedule, pipecomm.simulate(schedule).timeline, -1.0, 1.0)
+
+
+def test_a_plan_that_does_not_fit_the_schedule_is_refused():
+    schedule = pipecomm.make_schedule("1f1b", 2, 4)
+    plan = plan_offload(schedule, pipecomm.simulate(schedule).timeline, 0.0, 0.0)
+    check_plan(plan, schedule)
+    wait = min(plan.offloaded[0])
+    moved = dataclasses.replace(plan, reload_before=({**plan.reload_before[0], wait: 0}, plan.reload_before[1]))
+    with pytest.raises(ValueError, match=r"starts the copy back of \(0, 0, 'F'\) on rank 0 before action 0"):
+        check_plan(moved, schedule)
+    with pytest.raises(ValueError, match="the offload plan is for 2 ranks, the schedule '1f1b' has 4"):
+        check_plan(plan, pipecomm.make_schedule("1f1b", 4, 4))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import pipecomm
+from pipecomm.runtime import offload_planner
 from ranks import held_stages, run_ranks
 
 WIDTH, SEQUENCE, STEPS, MICRO_BATCHES = 8, 4, 3, 4
@@ -77,8 +79,12 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def train_and_compare(rank: int, world_size: int, pipeline_size: int, data_size: int, tensor_size: int,
-                      schedule: str, fsdp: str, sequence_parallel: bool = False, recompute: bool = False) -> str:
-    """``fsdp``: "none", "blocks" (each block sharded) or "stage" (the blocks, then the whole stage as FSDP's root)."""
+                      schedule: str, fsdp: str, sequence_parallel: bool = False, recompute: bool = False,
+                      offload: bool = False) -> str:
+    """``fsdp``: "none", "blocks" (each block sharded) or "stage" (the blocks, then the whole stage as FSDP's root).
+    With ``offload``, copies that take no time: every wait's activations go to host memory from the second step."""
+    if offload:
+        offload_planner.copy_speeds = lambda device: (math.inf, math.inf)
     ctx = pipecomm.init(pipeline_size=pipeline_size, data_size=data_size, tensor_size=tensor_size)
     stages = held_stages(schedule, pipeline_size, MICRO_BATCHES, 2 if schedule == "zb-v" else 1, ctx.stage)
     num_stages = pipeline_size * len(stages)
@@ -96,7 +102,7 @@ def train_and_compare(rank: int, world_size: int, pipeline_size: int, data_size:
             fully_shard(module, mesh=ctx.mesh["dp"])
     pipe = pipecomm.Pipeline(modules, stage=stages, num_stages=num_stages, loss_fn=F.mse_loss,
                              micro_batches=MICRO_BATCHES, schedule=schedule, group=ctx.pipeline_group,
-                             data_group=ctx.data_group, timeout=60, recompute=recompute)
+                             data_group=ctx.data_group, timeout=60, recompute=recompute, offload=offload)
     optimizer = torch.optim.AdamW([p for module in modules for p in module.parameters()], lr=1e-2)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     local = 2 * MICRO_BATCHES
@@ -125,6 +131,7 @@ def train_and_compare(rank: int, world_size: int, pipeline_size: int, data_size:
         for name, param in module.named_parameters():
             torch.testing.assert_close(full(param.detach()), expected[name].detach(), rtol=1e-4, atol=1e-5,
                                        msg=lambda text, name=name: f"stage {stage} {name}: {text}")
+    assert not offload or pipe.offload_plan.offloaded[ctx.stage], "nothing was offloaded"
     pipe.close()
     return f"pp {ctx.stage} dp {ctx.dp_rank} tp {ctx.tp_rank}"
 
@@ -145,6 +152,13 @@ def test_tensor_parallel_stages_train_like_one_process(tmp_path, schedule, seque
 
 def test_fsdp_stages_recompute_with_deferred_weight_gradients(tmp_path):
     results = run_ranks(4, train_and_compare, tmp_path, 2, 2, 1, "zb-h1", "stage", False, True, timeout=180)
+    assert len(set(results)) == 4
+
+
+@pytest.mark.parametrize("data_size, tensor_size, fsdp", [(2, 1, "blocks"), (1, 2, "none")], ids=["fsdp", "tp"])
+def test_fsdp_and_tensor_parallel_stages_offload_exactly(tmp_path, data_size, tensor_size, fsdp):
+    results = run_ranks(4, train_and_compare, tmp_path, 2, data_size, tensor_size, "zb-h1", fsdp, False, False, True,
+                        timeout=180)
     assert len(set(results)) == 4
 
 

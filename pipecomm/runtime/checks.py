@@ -8,6 +8,7 @@ from pipecomm.splitting.capture import CapturedStage
 from pipecomm.runtime.compiled_modules import replaying_inductor_graphs
 from pipecomm.splitting.partition import StageModule
 from pipecomm.schedules.auto_schedule import initial_schedule
+from pipecomm.schedules.offload import OffloadPlan
 from pipecomm.schedules.schedule import SCHEDULES, Schedule, looped_placement, make_schedule
 from pipecomm.schedules.validation import validate
 
@@ -49,8 +50,16 @@ def check_configuration(modules, stages, num_stages, num_ranks, schedule) -> Non
 
 
 def check_options(device: torch.device, *, auto: bool, sharded: bool, cuda_graphs: bool, device_timing: bool,
-                  main_grad: bool) -> None:
+                  main_grad: bool, offload) -> None:
     """Options that do not go together, or not with the stages' device."""
+    if not isinstance(offload, (bool, OffloadPlan)):
+        raise ValueError(f"Pipeline: offload must be True, False or a pipecomm OffloadPlan, not {offload!r}")
+    if offload is not False and cuda_graphs:
+        raise ValueError("Pipeline: offload cannot be combined with cuda_graphs=True: a graph replays into the same "
+                         "memory every time, so its saved activations cannot leave the device; use one or the other")
+    if isinstance(offload, OffloadPlan) and auto:
+        raise ValueError('Pipeline: an OffloadPlan is for one schedule, and schedule="auto" changes it; pass '
+                         "offload=True, which plans for the schedule auto settles on")
     if auto and cuda_graphs:
         raise ValueError('Pipeline: schedule="auto" changes the schedule after its measured steps, and with '
                          "it how many micro-batches each stage holds, which cuda_graphs=True fixes at the first "

@@ -14,6 +14,7 @@ from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.microbatch import check_received_batch, check_target_batch
+from pipecomm.runtime.offload import ActivationOffloader
 from pipecomm.schedules.schedule import Action, Schedule, forward_schedule
 from pipecomm.schedules.validation import validate
 from pipecomm.runtime.split_backward import WeightGradStore
@@ -58,6 +59,8 @@ class StageExecutor:
             else:
                 self.stages[stage] = EagerStage(module, sinks[stage], stage, loss, store, rank)
         self.timeline: list[tuple[float, float, Action]] = []
+        self.offloader: ActivationOffloader | None = None
+        self._reloads: dict[int, list] = {}  # action index -> the waits whose copies back start before it
         self._forward_schedules: dict[int, Schedule] = {}  # inference's, per micro-batch count
         self._handlers = {
             "F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight,
@@ -74,6 +77,15 @@ class StageExecutor:
             runner.weight_grad_store = weight_grad_store if schedule.splits_backward(self.rank, stage) else None
         if not device_timing:
             self.device_timeline = None
+        self.set_offload(None, {})  # an offload plan is one schedule's
+
+    def set_offload(self, offloader: ActivationOffloader | None, reloads: dict[int, list]) -> None:
+        """From the next step on, activations go to host memory through ``offloader`` (None: stay), the copies back
+        starting before the actions ``reloads`` gives (``OffloadPlan.reloads_at``)."""
+        self.offloader = offloader
+        self._reloads = reloads if offloader else {}
+        for runner in self.stages.values():
+            runner.offloader = offloader
 
     def run(self, inputs: list[tuple[tuple, dict]] | None, targets: list[tuple] | None,
             batch_size: int | None = None, target_batch: int | None = None) -> torch.Tensor | None:
@@ -91,8 +103,12 @@ class StageExecutor:
         device = self.device_timeline
         if device:
             device.start_step()
-        for action in self.schedule.actions[self.rank]:
+        reloads = self._reloads
+        for index, action in enumerate(self.schedule.actions[self.rank]):
             started = time.perf_counter()
+            if reloads and index in reloads:
+                for wait in reloads[index]:
+                    self.offloader.reload(wait)
             timed = device is not None and action.is_compute
             if timed:
                 device.mark()
@@ -143,6 +159,8 @@ class StageExecutor:
         self._micro_batches = micro_batches
         for runner in self.stages.values():
             runner.start()
+        if self.offloader:
+            self.offloader.start()
         self._loss: torch.Tensor | None = None
         self._backwards_done: dict[int, int] = dict.fromkeys(self.stages, 0)
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from pipecomm.parallel.sharded_stages import ShardedStages
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.executor import StageExecutor
 from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.offload import ActivationOffloader
 from pipecomm.runtime.recompute import checkpoint_stages
 from pipecomm.runtime.split_backward import WeightGradStore, defer_linear_weight_grads, warn_if_nothing_deferred
+from pipecomm.schedules.offload import OffloadPlan
 from pipecomm.schedules.schedule import Schedule
 
 __all__: list[str] = []
@@ -58,6 +61,12 @@ class PreparedStages:
         as the user's otherwise."""
         self._fit_modules(schedule)
         self.executor.switch_schedule(schedule, self.weight_grad_store, device_timing)
+
+    def set_offload(self, plan: OffloadPlan, device: torch.device) -> None:
+        """From the next step on, this rank's waits of ``plan`` go to host memory."""
+        params = [param for sink in self.sinks.values() for param in sink.params]
+        self.executor.set_offload(ActivationOffloader(device, plan.offloaded[self.rank], params),
+                                  plan.reloads_at(self.rank))
 
     def restore(self) -> None:
         """The user's modules as they were: recomputation undone first, as it wraps the deferring forward."""

@@ -11,6 +11,7 @@ from torch import nn
 from pipecomm.runtime import boundary
 from pipecomm.runtime.cuda_graphs import GraphedStage
 from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.offload import ActivationOffloader
 from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported
 
 __all__: list[str] = []
@@ -41,6 +42,7 @@ class EagerStage:
         self.scaled_loss = scaled_loss  # (output, *targets) -> the loss over the step's micro-batches; last stage
         self.weight_grad_store = weight_grad_store
         self.rank = rank
+        self.offloader: ActivationOffloader | None = None  # the rank's, when activations go to host memory
         self.micro_batches: dict[int, MicroBatch] = {}
 
     def start(self) -> None:
@@ -65,7 +67,14 @@ class EagerStage:
         if store:
             store.recording = held.deferrals
         try:
-            output = self.module(*args, **kwargs)
+            if self.offloader:
+                wait = (self.index, micro_batch, "F")
+                with self.offloader.saving(wait):
+                    output = self.module(*args, **kwargs)
+                # Before the outputs' freeing is decided: the copies out drop the hooks' hold on them.
+                self.offloader.offload(wait)
+            else:
+                output = self.module(*args, **kwargs)
         finally:
             if store:
                 store.recording = None
@@ -94,6 +103,8 @@ class EagerStage:
     def backward(self, micro_batch: int) -> None:
         """The whole backward: input gradients and every parameter's, accumulated into the sink."""
         self._backward(self.micro_batches[micro_batch])
+        if self.offloader:
+            self.offloader.forget((self.index, micro_batch, "F"))
 
     def backward_input(self, micro_batch: int) -> None:
         """Input gradients and every parameter gradient but the deferred Linear weight GEMMs' (the critical path)."""
@@ -106,10 +117,19 @@ class EagerStage:
             self.weight_grad_store.collecting = None
         check_reported(held.deferrals, roots,
                        f"pipeline rank {self.rank}, stage {self.index}, micro-batch {micro_batch}, I pass")
+        if self.offloader:
+            self.offloader.forget((self.index, micro_batch, "F"))
+            wait = (self.index, micro_batch, "I")
+            if wait in self.offloader.offloaded:
+                held.deferred = _park_deferred(self.offloader, wait, held.deferred)
 
     def backward_weight(self, micro_batch: int) -> None:
         """The deferred Linear weight gradients of the micro-batch's I pass."""
-        self.sink.add_weight_grads(self.micro_batches.pop(micro_batch).deferred)
+        deferred = self.micro_batches.pop(micro_batch).deferred
+        wait = (self.index, micro_batch, "I")
+        if self.offloader and wait in self.offloader.offloaded:
+            deferred = _unpark_deferred(self.offloader, wait, deferred)
+        self.sink.add_weight_grads(deferred)
 
     def take_input_grads(self, micro_batch: int) -> tuple:
         held = self.micro_batches[micro_batch]
@@ -134,6 +154,18 @@ class EagerStage:
         if self.index > 0:  # the first stage's inputs are data
             remaining = iter(input_grads)
             held.input_grads = tuple(next(remaining) if tensor.requires_grad else None for tensor in inputs)
+
+
+def _park_deferred(offloader: ActivationOffloader, wait, deferred: list[DeferredGrad]) -> list[tuple]:
+    """The W pass's inputs (each deferred gradient's layer input and output gradient) parked for ``wait``."""
+    parked = offloader.park(wait, [tensor for _, x, grad in deferred for tensor in (x, grad)])
+    return [(weight, parked[2 * index], parked[2 * index + 1]) for index, (weight, _, _) in enumerate(deferred)]
+
+
+def _unpark_deferred(offloader: ActivationOffloader, wait, parked: list[tuple]) -> list[DeferredGrad]:
+    tensors = offloader.unpark(wait, [entry for _, x, grad in parked for entry in (x, grad)])
+    offloader.forget(wait)
+    return [(weight, tensors[2 * index], tensors[2 * index + 1]) for index, (weight, _, _) in enumerate(parked)]
 
 
 def _take_grad(tensor: torch.Tensor) -> torch.Tensor | None:

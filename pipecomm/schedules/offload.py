@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pipecomm.schedules.kinds import Kind
 from pipecomm.schedules.schedule import Action, Schedule
 
-__all__ = ["OffloadPlan", "plan_offload"]
+__all__ = ["OffloadPlan", "check_plan", "plan_offload"]
 
 # What waits: (stage, micro-batch, the pass that saved it): "F" the forward's saved activations, read by B or I; "I"
 # the W pass's inputs, kept from the I pass.
@@ -132,3 +132,24 @@ def _peak(held: list[tuple[float, float]], share: float, away: Iterable[tuple[fl
         live += change
         peak = max(peak, live)
     return peak
+
+
+def check_plan(plan: OffloadPlan, schedule: Schedule) -> None:
+    """A ValueError unless ``plan`` fits ``schedule``: each rank's waits are of its own passes, and each copy back
+    starts after the pass that saved the wait and by the pass that reads it."""
+    if len(plan.offloaded) != schedule.num_ranks or len(plan.reload_before) != schedule.num_ranks:
+        raise ValueError(f"the offload plan is for {len(plan.offloaded)} ranks, the schedule {schedule.name!r} has "
+                         f"{schedule.num_ranks}")
+    for rank, actions in enumerate(schedule.actions):
+        positions = {(action.stage, action.micro_batch, action.kind): index for index, action in enumerate(actions)}
+        for wait in plan.offloaded[rank]:
+            stage, micro_batch, saved_by = wait
+            readers = [positions[(stage, micro_batch, kind)] for kind in (("B", "I") if saved_by == "F" else ("W",))
+                       if (stage, micro_batch, kind) in positions]
+            index = plan.reload_before[rank].get(wait)
+            if (stage, micro_batch, saved_by) not in positions or not readers or index is None:
+                raise ValueError(f"the offload plan's wait {wait} on rank {rank} is not one of schedule "
+                                 f"{schedule.name!r}'s (stage, micro-batch, F or I) on that rank, or has no copy back")
+            if not positions[(stage, micro_batch, saved_by)] < index <= min(readers):
+                raise ValueError(f"the offload plan starts the copy back of {wait} on rank {rank} before action "
+                                 f"{index}, not after the pass that saved it and by the one that reads it")

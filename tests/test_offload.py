@@ -1,0 +1,92 @@
+"""Activation offload: every schedule trains as one process does while saved activations wait in host memory."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from torch import nn
+
+from equivalence import float_batch, mse, train_like_one_process
+from models import Block
+from ranks import needs_cuda, run_ranks
+
+import pipecomm
+from pipecomm.runtime import offload_planner
+from pipecomm.runtime.offload import ActivationOffloader
+from pipecomm.schedules.offload import plan_offload
+
+
+def blocks(num_stages: int) -> list[nn.Module]:
+    return [nn.Sequential(Block(), Block()) for _ in range(num_stages)]
+
+
+def counting_copies() -> list[int]:
+    """How many tensors ActivationOffloader.offload copies out on this rank, from now on."""
+    copied = [0]
+    original = ActivationOffloader.offload
+
+    def offload(self, wait):
+        copies = self._waits.get(wait)
+        if copies is not None and not copies.offloaded and not self.measure_only:
+            copied[0] += len(copies.parked)
+        original(self, wait)
+
+    ActivationOffloader.offload = offload
+    return copied
+
+
+def offload_trains_exactly(rank: int, world_size: int, kind: str, recompute: bool) -> int:
+    # Copies that take no time fit every wait: every micro-batch's activations go to host memory and back.
+    offload_planner.copy_speeds = lambda device: (math.inf, math.inf)
+    copied = counting_copies()
+    train_like_one_process(rank, world_size, blocks, float_batch, mse, steps=4, kind=kind, offload=True,
+                           recompute=recompute)
+    return copied[0]
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute"])
+def test_every_schedule_trains_exactly_with_activations_in_host_memory(tmp_path, kind, recompute):
+    copied = run_ranks(2, offload_trains_exactly, tmp_path, kind, recompute, timeout=240)
+    assert all(count > 0 for count in copied), copied  # every rank's offloaded waits held tensors
+
+
+def planned_offload(rank: int, world_size: int, name: str, chunks: int) -> tuple:
+    """A plan made before the Pipeline, for its schedule, with the W pass's inputs waiting too (zero-bubble)."""
+    schedule = pipecomm.make_schedule(name, world_size, 4, chunks if chunks > 1 else None)
+    plan = plan_offload(schedule, pipecomm.simulate(schedule).timeline, 0.0, 0.0)
+    copied = counting_copies()
+    train_like_one_process(rank, world_size, blocks, float_batch, mse, schedules=[(name, chunks)], offload=plan)
+    return copied[0], sorted({saved_by for _, _, saved_by in plan.offloaded[rank]})
+
+
+@pytest.mark.parametrize("name, chunks", [("zb-h2", 1), ("zb-v", 2)])
+def test_a_given_plan_offloads_the_w_pass_inputs_too(tmp_path, name, chunks):
+    for copied, saved_by in run_ranks(2, planned_offload, tmp_path, name, chunks):
+        assert copied > 0 and saved_by == ["F", "I"]
+
+
+def refused(rank: int, world_size: int) -> str:
+    stage = nn.Linear(4, 4)
+    common = dict(stage=rank, num_stages=2, loss_fn=mse, micro_batches=4, timeout=30)
+    with pytest.raises(ValueError, match="offload must be True, False or a pipecomm OffloadPlan"):
+        pipecomm.Pipeline(stage, offload="yes", **common)
+    other = pipecomm.make_schedule("1f1b", 3, 4)
+    plan = plan_offload(other, pipecomm.simulate(other).timeline, 0.0, 0.0)
+    with pytest.raises(ValueError, match="an OffloadPlan is for one schedule"):
+        pipecomm.Pipeline(stage, offload=plan, schedule="auto", **common)
+    with pytest.raises(ValueError, match="the offload plan is for 3 ranks, the schedule '1f1b' has 2"):
+        pipecomm.Pipeline(stage, offload=plan, **common)
+    return "ok"
+
+
+def test_bad_offload_options_are_clear_errors(tmp_path):
+    run_ranks(2, refused, tmp_path)
+
+
+def test_offload_with_cuda_graphs_is_refused():
+    with pytest.raises(ValueError, match="offload cannot be combined with cuda_graphs=True"):
+        pipecomm.Pipeline(nn.Linear(4, 4), stage=0, num_stages=1, loss_fn=mse, micro_batches=2, offload=True,
+                          cuda_graphs=True)
+
