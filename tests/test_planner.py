@@ -211,3 +211,15 @@ def test_plans_on_h100_costs_validate():
     for num_ranks, micro_batches in ((4, 8), (8, 16), (8, 32)):
         for memory_limit in (1.0, 2.0):
             validate(pipecomm.plan_schedule(num_ranks, micro_batches, costs, memory_limit=memory_limit))
+
+
+def test_offload_lets_the_plan_fit_a_faster_schedule_into_the_memory_limit():
+    costs = {"F": 1.0, "I": 2.0, "W": 1.0}  # the zb-h2-like orders beat zb-h1 here, at twice its memory
+    simulated_costs = {**costs, "B": 3.0}
+    without = pipecomm.plan_schedule(4, 8, costs, placement=(0, 1, 2, 3))
+    fast = pipecomm.plan_schedule(4, 8, costs, placement=(0, 1, 2, 3), offload_times=(0.25, 0.25))
+    plain, offloaded = pipecomm.simulate(without, simulated_costs), pipecomm.simulate(fast, simulated_costs)
+    assert offloaded.step_time < plain.step_time and max(plain.peak_memory) <= 4 < max(offloaded.peak_memory)
+    assert max(pipecomm.plan_offload(fast, offloaded.timeline, 0.25, 0.25).peak_memory) <= 4
+    # Copies too slow to hide anywhere: the plan is the one without offload.
+    assert pipecomm.plan_schedule(4, 8, costs, placement=(0, 1, 2, 3), offload_times=(100.0, 100.0)) == without

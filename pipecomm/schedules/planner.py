@@ -16,14 +16,16 @@ from pipecomm.schedules.schedule import (
     v_placement,
     with_communication,
 )
-from pipecomm.schedules.simulation import peak_memory
+from pipecomm.schedules.offload import plan_offload
+from pipecomm.schedules.simulation import peak_memory, simulate
 from pipecomm.schedules.validation import validate
 
 __all__ = ["plan_schedule"]
 
 
 def plan_schedule(num_ranks: int, micro_batches: int, costs: Mapping[str, float], *,
-                  memory_limit: float = 1.0, placement: Sequence[int] | None = None) -> Schedule:
+                  memory_limit: float = 1.0, placement: Sequence[int] | None = None,
+                  offload_times: tuple[float, float] | None = None) -> Schedule:
     """The schedule with the shortest simulated step among those whose peak activation memory fits.
 
     ``costs`` gives F, I and W (B, if given, is ignored: it is I + W) of one micro-batch through one
@@ -36,7 +38,10 @@ def plan_schedule(num_ranks: int, micro_batches: int, costs: Mapping[str, float]
     single passes within each rank's order (B split into I then W) while the memory fits (skipped
     without numba). ``placement`` (stage -> rank) keeps only schedules that place the stages so, as a
     Pipeline's modules already are. The result is validated and never slower than a named schedule
-    that fits (and places alike).
+    that fits (and places alike). With ``offload_times`` (the copy of one micro-batch's activations of one
+    rank's share to host memory and back, in the units of ``costs``), a schedule also fits if activation
+    offload (``plan_offload`` on its simulated timeline) brings its peak within the limit; such a one is
+    returned as built, without the local search, whose moves count memory without offload.
     """
     if num_ranks < 1 or micro_batches < num_ranks:
         raise ValueError(f"plan_schedule: needs num_ranks >= 1 and micro_batches >= num_ranks, got num_ranks="
@@ -50,34 +55,42 @@ def plan_schedule(num_ranks: int, micro_batches: int, costs: Mapping[str, float]
     simulation_costs = {**pass_costs, "B": pass_costs["I"] + pass_costs["W"]}
     timed = []
     wanted = None if placement is None else tuple(placement)
-    for index, schedule in enumerate(_candidates(num_ranks, micro_batches, pass_costs, memory_limit, wanted)):
+    limit = memory_limit * num_ranks + 1e-9
+    candidates = _candidates(num_ranks, micro_batches, pass_costs, memory_limit, wanted, offload_times is not None)
+    for index, schedule in enumerate(candidates):
         if wanted is not None and schedule.placement != wanted:
             continue
-        if max(peak_memory(schedule)) > memory_limit * num_ranks + 1e-9:
+        fits = max(peak_memory(schedule)) <= limit
+        if not fits and offload_times is None:
             continue
-        timed.append((step_and_busy_times(schedule, simulation_costs)[0], index, schedule))
+        timed.append((step_and_busy_times(schedule, simulation_costs)[0], index, fits, schedule))
     # The fastest that the runtime can run: validate() also checks the channels' slots, which the timing ignores.
     # Ties keep the earlier candidate: named schedules come first.
-    for step_time, _, schedule in sorted(timed, key=lambda entry: (round(entry[0], 9), entry[1])):
+    for step_time, _, fits, schedule in sorted(timed, key=lambda entry: (round(entry[0], 9), entry[1])):
+        if not fits:  # offload_times given: simulated (slowly) only for those faster than every fitting one so far
+            offloaded = plan_offload(schedule, simulate(schedule, simulation_costs).timeline, *offload_times)
+            if max(offloaded.peak_memory) > limit:
+                continue
         try:
             validate(schedule)
         except ValueError:
             continue
-        return search_order(schedule, step_time, pass_costs, memory_limit)
+        return search_order(schedule, step_time, pass_costs, memory_limit) if fits else schedule
     raise ValueError(f"plan_schedule: no schedule that places stages as {list(wanted or [])} on {num_ranks} ranks "
                      f"fits memory_limit={memory_limit:g}")
 
 
 def _candidates(num_ranks: int, micro_batches: int, costs: Mapping[str, float], memory_limit: float,
-                placement: tuple[int, ...] | None) -> Iterator[Schedule]:
-    """The named schedules, and list-scheduled ones built only where they place stages as ``placement`` (any, if None)."""
+                placement: tuple[int, ...] | None, offload: bool) -> Iterator[Schedule]:
+    """The named schedules, and list-scheduled ones built only where they place stages as ``placement`` (any, if None);
+    with ``offload``, also those that hold up to zb-h2's memory (twice 1f1b's) before offload."""
     for name in ("1f1b", "zb-h1", "gpipe", "zb-h2", "zb-v"):
         yield make_schedule(name, num_ranks, micro_batches)
     if micro_batches % num_ranks == 0:
         yield make_schedule("interleaved-1f1b", num_ranks, micro_batches, 2)
     families = {"zb-h2": (looped_placement(num_ranks, num_ranks), 1), "zb-v": (v_placement(num_ranks), 2)}
     families = {family: built for family, built in families.items() if placement in (None, built[0])}
-    caps = sorted({memory_limit * num_ranks, float(num_ranks)}, reverse=True)
+    caps = sorted({memory_limit * num_ranks, float(num_ranks), *([2.0 * num_ranks] if offload else [])}, reverse=True)
     variants = [dict(weights_before_forwards=weights_first, deepest_gradient_first=deepest_gradient)
                 for weights_first, deepest_gradient in itertools.product((False, True), (False, True))]
     for (family, (layout, chunks)), cap, variant in itertools.product(families.items(), caps, variants):
