@@ -48,7 +48,7 @@ from pipecomm.runtime.checks import check_configuration, check_options, module_d
 from pipecomm.runtime.collectives import PipelineCollectives
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.links import NeighbourLinks
-from pipecomm.runtime.offload_planner import OffloadPlanner
+from pipecomm.runtime.offload_planner import OffloadPlanner, SavedBytesMeter
 from pipecomm.runtime.prepared_stages import PreparedStages
 from pipecomm.schedules.offload import OffloadPlan, check_plan
 from pipecomm.schedules.schedule import Schedule
@@ -93,11 +93,13 @@ class Pipeline:
     keeping only the stage's inputs between the two; a callable ``module -> bool`` checkpoints only the
     submodules it picks (selective recomputation, as Megatron's ``recompute_modules``).
     ``offload=True`` moves saved activations to host memory while they wait for their backward, where the
-    schedule leaves time to copy them out and back behind compute: the first step (after "auto" settles)
-    measures the passes, the bytes each micro-batch's forward saves and the copy speed each way, then every rank
-    plans alike (``pipecomm.plan_offload``; ``pipe.offload_plan`` gives each rank's peak activation memory with
-    and without) and offloads from the next step on. An ``OffloadPlan`` made for this Pipeline's schedule is
-    used as it is. Parameters stay on the device; not with ``cuda_graphs``.
+    schedule leaves time to copy them out and back behind compute: the first step measures the passes, the
+    bytes each micro-batch's forward saves and the copy speed each way, then every rank plans alike
+    (``pipecomm.plan_offload``; ``pipe.offload_plan`` gives each rank's peak activation memory with and without)
+    and offloads from the next step on. With "auto", its measured steps measure these too, its plan may rely on
+    offload to fit 1f1b's memory, and every schedule it tries after them offloads as planned for it. An
+    ``OffloadPlan`` made for this Pipeline's schedule is used as it is. Parameters stay on the device; not with
+    ``cuda_graphs``.
     """
 
     def __init__(
@@ -157,11 +159,12 @@ class Pipeline:
             self._collectives = PipelineCollectives(group, self.rank, self.schedule.stage_rank(num_stages - 1),
                                                     self.device, self.calls, timeout, self._links.channels,
                                                     self.schedule)
-            self._planner = (AutoPlanner(self._collectives, self.num_ranks, micro_batches, self.schedule) if auto
-                             else None)
+            saved_bytes = SavedBytesMeter(self.device, self.parameters()) if offload is True and auto else None
+            self._planner = (AutoPlanner(self._collectives, self.num_ranks, micro_batches, self.schedule, saved_bytes)
+                             if auto else None)
             self.offload_plan: OffloadPlan | None = None
-            self._offload_planner = (OffloadPlanner(self._collectives, self.num_ranks, self.device) if offload is True
-                                     else None)
+            self._offload_planner = (OffloadPlanner(self._collectives, self.num_ranks, self.device, self.parameters())
+                                     if offload is True and not auto else None)
             if isinstance(offload, OffloadPlan):
                 check_plan(offload, self.schedule)
                 self._use_offload_plan(offload)
@@ -183,9 +186,11 @@ class Pipeline:
         bad arguments included, fails the call on every rank (see the module docstring).
         """
         with self.calls.call("step"):
-            measuring_offload = self._offload_planner is not None and self._planner is None
-            if measuring_offload:
-                self._offload_planner.before_step(self._executor, self.parameters())
+            measuring_offload = self._offload_planner is not None
+            if self._planner:
+                self._planner.before_step(self._executor)
+            elif measuring_offload:
+                self._offload_planner.before_step(self._executor)
             loss = self._executor.run(*microbatch.split_step(inputs, kwargs, target, self.micro_batches, self.device,
                                                              first=0 in self.stages,
                                                              last=self.num_stages - 1 in self.stages))
@@ -214,10 +219,10 @@ class Pipeline:
         if following is None:
             return
         self.schedule = following
-        # Trials time their steps on the device (when on a GPU), as does offload's measuring step after them; then
-        # only if the user asked to.
-        self._prepared.switch_schedule(following, self._device_timing or not planner.settled
-                                       or self._offload_planner is not None)
+        # Trials time their steps on the device (when on a GPU); once settled, only if the user asked to.
+        self._prepared.switch_schedule(following, self._device_timing or not planner.settled)
+        if planner.offload_plan:
+            self._use_offload_plan(planner.offload_plan)
         if planner.settled:
             self.auto_step_times = planner.step_times
             self._planner = None

@@ -90,3 +90,16 @@ def test_offload_with_cuda_graphs_is_refused():
         pipecomm.Pipeline(nn.Linear(4, 4), stage=0, num_stages=1, loss_fn=mse, micro_batches=2, offload=True,
                           cuda_graphs=True)
 
+
+
+def auto_offloads(rank: int, world_size: int) -> tuple:
+    offload_planner.copy_speeds = lambda device: (math.inf, math.inf)
+    copied = counting_copies()
+    train_like_one_process(rank, world_size, blocks, float_batch, mse, schedules=[("auto", 1)], steps=10,
+                           offload=True)
+    return copied[0]
+
+
+def test_auto_measures_what_waits_and_tries_every_schedule_offloaded(tmp_path):
+    # The three measured steps count the bytes; the plan's and 1f1b's trials, and the schedule kept, offload.
+    assert all(copied > 0 for copied in run_ranks(2, auto_offloads, tmp_path, timeout=180))

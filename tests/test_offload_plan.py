@@ -69,3 +69,9 @@ def test_a_plan_that_does_not_fit_the_schedule_is_refused():
         check_plan(moved, schedule)
     with pytest.raises(ValueError, match="the offload plan is for 2 ranks, the schedule '1f1b' has 4"):
         check_plan(plan, pipecomm.make_schedule("1f1b", 4, 4))
+
+
+def test_simulate_reports_the_peak_with_offload():
+    schedule, simulated, plan = plan_for("1f1b", 4, 8, 0.5)
+    assert simulated.peak_memory_offloaded is None
+    assert pipecomm.simulate(schedule, COSTS, offload_times=(0.5, 0.5)).peak_memory_offloaded == plan.peak_memory

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from pipecomm.runtime import step_trace
 from pipecomm.runtime.collectives import PipelineCollectives
 from pipecomm.runtime.executor import StageExecutor
 from pipecomm.runtime.offload import ActivationOffloader
 from pipecomm.schedules.offload import OffloadPlan, plan_offload
+from pipecomm.schedules.schedule import Schedule
 from pipecomm.schedules.simulation import simulate
 
 __all__: list[str] = []
@@ -22,49 +25,77 @@ __all__: list[str] = []
 _PROBE_BYTES = 64 << 20
 
 
-class OffloadPlanner:
-    """Measures on one step this rank's F, B, I and W and the bytes a micro-batch's forward saves, and once the
-    copy's speed each way; plans for the slowest rank's (a max over the pipeline, so that every rank plans alike)."""
+class SavedBytesMeter:
+    """The bytes a micro-batch's forward saves on this rank (over its stages, parameters aside), counted on the
+    steps it is attached to by an offloader that copies nothing."""
 
-    def __init__(self, collectives: PipelineCollectives, num_ranks: int, device: torch.device):
-        self.collectives = collectives
-        self.num_ranks = num_ranks
+    def __init__(self, device: torch.device, parameters: Iterable[nn.Parameter]):
         self.device = device
-        self._measuring: ActivationOffloader | None = None
+        self.parameters = list(parameters)
+        self._counted: ActivationOffloader | None = None
 
-    def before_step(self, executor: StageExecutor, parameters) -> None:
-        """The step to measure: every forward's saved activations counted, none copied."""
-        if self._measuring is None:
+    def attach(self, executor: StageExecutor) -> None:
+        if self._counted is None:
             waits = [(action.stage, action.micro_batch, "F") for action in executor.schedule.actions[executor.rank]
                      if action.kind == "F"]
-            self._measuring = ActivationOffloader(self.device, waits, parameters, measure_only=True)
-            executor.set_offload(self._measuring, {})
+            self._counted = ActivationOffloader(self.device, waits, self.parameters, measure_only=True)
+        executor.set_offload(self._counted, {})
+
+    def detach(self, executor: StageExecutor) -> None:
+        executor.set_offload(None, {})
+
+    def per_micro_batch(self) -> float:
+        summed: dict[int, int] = {}
+        for (_, micro_batch, _), size in (self._counted.parked_bytes if self._counted else {}).items():
+            summed[micro_batch] = summed.get(micro_batch, 0) + size
+        return statistics.median(summed.values()) if summed else 0.0
+
+    def copy_times(self) -> list[float]:
+        """Seconds to copy one micro-batch's saved bytes to host memory and back."""
+        size = self.per_micro_batch()
+        return [size / speed for speed in copy_speeds(self.device)]
+
+
+class OffloadPlanner:
+    """Measures on one step this rank's F, B, I and W, the bytes a micro-batch's forward saves and the copies' speed
+    each way; plans for the slowest rank's (a max over the pipeline, so that every rank plans alike)."""
+
+    def __init__(self, collectives: PipelineCollectives, num_ranks: int, device: torch.device,
+                 parameters: Iterable[nn.Parameter]):
+        self.collectives = collectives
+        self.num_ranks = num_ranks
+        self.meter = SavedBytesMeter(device, parameters)
+
+    def before_step(self, executor: StageExecutor) -> None:
+        """The step to measure: every forward's saved activations counted, none copied."""
+        self.meter.attach(executor)
 
     def after_step(self, executor: StageExecutor) -> OffloadPlan:
-        executor.set_offload(None, {})
-        schedule = executor.schedule
+        self.meter.detach(executor)
         durations: dict[tuple[str, int], list[float]] = {}
         for start, end, action in step_trace.compute_spans(executor):
             durations.setdefault((action.kind, action.stage), []).append(end - start)
         costs = [sum(statistics.median(times) for (kind, _), times in durations.items() if kind == wanted)
                  for wanted in ("F", "B", "I", "W")]
-        per_micro_batch: dict[int, int] = {}
-        for (_, micro_batch, _), size in self._measuring.parked_bytes.items():
-            per_micro_batch[micro_batch] = per_micro_batch.get(micro_batch, 0) + size
-        activation_bytes = statistics.median(per_micro_batch.values()) if per_micro_batch else 0.0
-        to_host, to_device = copy_speeds(self.device)
-        measured = self._slowest_rank([*costs, activation_bytes / to_host, activation_bytes / to_device])
+        measured = slowest_rank(self.collectives, self.num_ranks, [*costs, *self.meter.copy_times()],
+                                "the offload measurements")
         costs = dict(zip(("F", "B", "I", "W"), measured[:4]))
         if costs["B"] == 0.0:  # a split backward: its B is its I and W
             costs["B"] = costs["I"] + costs["W"]
-        timeline = simulate(schedule, costs).timeline
-        return plan_offload(schedule, timeline, measured[4], measured[5])
+        return offload_plan_for(executor.schedule, costs, measured[4:])
 
-    def _slowest_rank(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.collectives.wire_device())
-        if self.num_ranks > 1:
-            self.collectives.all_reduce(tensor, dist.ReduceOp.MAX, "the all-reduce of the offload measurements")
-        return tensor.tolist()
+
+def offload_plan_for(schedule: Schedule, costs: Mapping[str, float], copy_times: list[float]) -> OffloadPlan:
+    """``plan_offload`` on ``schedule``'s simulated timeline at ``costs``, with ``copy_times`` (out, back)."""
+    return plan_offload(schedule, simulate(schedule, costs).timeline, *copy_times)
+
+
+def slowest_rank(collectives: PipelineCollectives, num_ranks: int, values: list[float], what: str) -> list[float]:
+    """Each value's maximum over the pipeline's ranks (the same list on every rank)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=collectives.wire_device())
+    if num_ranks > 1:
+        collectives.all_reduce(tensor, dist.ReduceOp.MAX, f"the all-reduce of {what}")
+    return tensor.tolist()
 
 
 def copy_speeds(device: torch.device) -> tuple[float, float]:

@@ -16,7 +16,6 @@ from pipecomm.schedules.schedule import (
     v_placement,
     with_communication,
 )
-from pipecomm.schedules.offload import plan_offload
 from pipecomm.schedules.simulation import peak_memory, simulate
 from pipecomm.schedules.validation import validate
 
@@ -68,8 +67,7 @@ def plan_schedule(num_ranks: int, micro_batches: int, costs: Mapping[str, float]
     # Ties keep the earlier candidate: named schedules come first.
     for step_time, _, fits, schedule in sorted(timed, key=lambda entry: (round(entry[0], 9), entry[1])):
         if not fits:  # offload_times given: simulated (slowly) only for those faster than every fitting one so far
-            offloaded = plan_offload(schedule, simulate(schedule, simulation_costs).timeline, *offload_times)
-            if max(offloaded.peak_memory) > limit:
+            if max(simulate(schedule, simulation_costs, offload_times=offload_times).peak_memory_offloaded) > limit:
                 continue
         try:
             validate(schedule)

@@ -9,6 +9,7 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from pipecomm.schedules.offload import plan_offload
 from pipecomm.schedules.schedule import CHANNEL_NAMES, Action, Kind, Schedule, channel_kind, counterpart
 from pipecomm.schedules.structure import check_structure
 
@@ -33,6 +34,8 @@ class SimulationResult:
     # pair counts 1/v on a schedule with v stages per rank. 1f1b's rank 0 peaks at num_ranks.
     peak_memory: tuple[float, ...]
     timeline: tuple[tuple[tuple[float, float, Action], ...], ...]  # per rank: (start, end, action) of compute
+    # With offload_times: per rank, the peak_memory left by the activation offload plan_offload makes for this timeline.
+    peak_memory_offloaded: tuple[float, ...] | None = None
 
 
 def simulate(
@@ -41,6 +44,7 @@ def simulate(
     comm_time: float = 0.0,
     *,
     buffer_slots: int | None = None,
+    offload_times: tuple[float, float] | None = None,
 ) -> SimulationResult:
     """Runs the schedule event by event, with the blocking rules of ``validate``.
 
@@ -49,6 +53,8 @@ def simulate(
     cost is that of one rank's share of the model (what a 1f1b stage computes): on a schedule with v
     stages per rank each pass takes 1/v of it, so that every schedule of one model compares. A message
     can be received ``comm_time`` after its SEND completes. ``buffer_slots=None`` never blocks a SEND.
+    With ``offload_times`` (copying one micro-batch's activations of one rank's share to host memory and back),
+    the result also gives each rank's peak with activation offload (``plan_offload``'s plan for this timeline).
     Raises ValueError for a malformed schedule and for a deadlock, as ``validate`` does.
     """
     if comm_time < 0:
@@ -68,13 +74,16 @@ def simulate(
     # A schedule of zero-cost actions takes no time and so wastes none.
     bubble_fraction = 1.0 - sum(busy_time) / (schedule.num_ranks * step_time) if step_time > 0 else 0.0
     peaks = tuple(_peak_activations(program) for program in schedule.actions)
+    compute = tuple(tuple(rank_timeline) for rank_timeline in timeline)
+    offloaded = plan_offload(schedule, compute, *offload_times).peak_memory if offload_times is not None else None
     return SimulationResult(
         step_time=step_time,
         bubble_fraction=bubble_fraction,
         busy_time=busy_time,
         peak_activations=peaks,
         peak_memory=peak_memory(schedule),
-        timeline=tuple(tuple(rank_timeline) for rank_timeline in timeline),
+        timeline=compute,
+        peak_memory_offloaded=offloaded,
     )
 
 
