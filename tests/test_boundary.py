@@ -9,7 +9,11 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
+from ranks import needs_cuda, rank_device, run_ranks
+
+import pipecomm.transport as transport
 from pipecomm.runtime import boundary
+from pipecomm.transport.loopback import LoopbackChannel
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -28,13 +32,13 @@ class Sample:
 
 
 class Recording:
-    """A channel that hands back, in order, copies of what was sent, and keeps the messages."""
-
-    carries_notes = False
+    """A channel that hands back, in order, copies of what was sent and the notes sent with it, and keeps them."""
 
     def __init__(self):
         self.sent: list[tuple] = []
+        self.notes: list[bytes] = []
         self._queue: collections.deque = collections.deque()
+        self._unread_notes: collections.deque = collections.deque()
 
     def send(self, tensors) -> None:
         self.sent.append(tuple(tensors))
@@ -43,26 +47,15 @@ class Recording:
     def recv(self) -> tuple:
         return self._queue.popleft()
 
-    def close(self) -> None:
-        self._queue.clear()
-
-
-class NoteRecording(Recording):
-    """The same, with notes on the host beside the messages, as the dist channel carries them."""
-
-    carries_notes = True
-
-    def __init__(self):
-        super().__init__()
-        self.notes: list[bytes] = []
-        self._unread_notes: collections.deque = collections.deque()
-
     def send_note(self, data: bytes) -> None:
         self.notes.append(data)
         self._unread_notes.append(data)
 
     def recv_note(self) -> bytes:
         return self._unread_notes.popleft()
+
+    def close(self) -> None:
+        self._queue.clear()
 
 
 def nested():
@@ -102,34 +95,97 @@ def test_nested_structures_round_trip_with_their_types_constants_and_requires_gr
     assert output["tuple"][1:] == (None, 3, "text")
 
 
-@pytest.mark.parametrize("raw", [Recording(), NoteRecording()], ids=["in-the-message", "as-a-note"])
-def test_the_header_is_sent_only_when_it_changes(raw):
-    channel = boundary.StructureChannel(raw, torch.device("cpu"))
-    x, y, w = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3, requires_grad=True)
-    messages = [
-        ((x, 1), 4),  # the first message carries its header
-        ((y, 1), 4),  # other values, same layout: no header
-        ((x, 2), 4),  # a constant changed
-        ((x, 2), 4),
-        ((x, 2.0), 4),  # equal, but another type
-        ((x, True), 4),
-        ((w, True), 4),  # requires_grad changed
-        ((x, True), 2),  # the micro-batch count changed
-        ([x, True], 2),  # the structure changed
-        ([x.to(torch.float64), True], 2),  # a dtype or shape is the channel's business, not the header's
+def changing_structures(device: torch.device) -> list[tuple]:
+    """(structure, micro-batch count, whether it needs a new header) per message, the same on every rank."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(2, 3, generator=generator).to(device) for _ in range(2))
+    w = torch.randn(2, 3, generator=generator).to(device).requires_grad_()
+    return [
+        ((x, 1), 4, True),  # the first message carries its header
+        ((y, 1), 4, False),  # other values, same layout: no header
+        ((x, 2), 4, True),  # a constant changed
+        ((x, 2), 4, False),
+        ((x, 2.0), 4, True),  # equal, but another type
+        ((x, True), 4, True),
+        ((w, True), 4, True),  # requires_grad changed
+        ((x, True), 2, True),  # the micro-batch count changed
+        ([x, True], 2, True),  # the structure changed
+        ([x.to(torch.float64), True], 2, False),  # a dtype or shape is the channel's business, not the header's
+        ([x, "a" * 200_000], 2, True),  # a header far larger than a channel's slots
+        ([y, "a" * 200_000], 2, False),
     ]
-    for structure, micro_batches in messages:
+
+
+def check_received(received: boundary.Received, structure, micro_batches: int) -> None:
+    assert received.micro_batches == micro_batches
+    assert type(received.structure) is type(structure)
+    assert received.structure[1] == structure[1] and type(received.structure[1]) is type(structure[1])
+    assert torch.equal(received.tensors[0].detach(), structure[0].detach())
+    assert received.tensors[0].requires_grad == structure[0].requires_grad
+
+
+def test_the_header_is_sent_only_when_it_changes_as_a_note():
+    raw = Recording()
+    channel = boundary.StructureChannel(raw, torch.device("cpu"))
+    messages = changing_structures(torch.device("cpu"))
+    for structure, micro_batches, _ in messages:
         channel.send(boundary.flatten(structure), micro_batches)
-        received = channel.recv()
-        assert received.micro_batches == micro_batches
-        assert type(received.structure) is type(structure)
-        assert received.structure[1] == structure[1] and type(received.structure[1]) is type(structure[1])
-        assert received.tensors[0].requires_grad == structure[0].requires_grad
-    assert [message[0] is not None for message in raw.sent] == [True, False, True, False, True, True, True, True,
-                                                                 True, False]
-    assert all(message[0] is None or message[0].dtype == torch.uint8 for message in raw.sent)
-    if raw.carries_notes:  # the header went as a note; the message only says that one came
-        assert len(raw.notes) == 7 and all(message[0] is None or message[0].numel() == 0 for message in raw.sent)
+        check_received(channel.recv(), structure, micro_batches)
+    # The header goes on the host; the message's first entry only says whether one came.
+    assert [message[0] is not None for message in raw.sent] == [changes for _, _, changes in messages]
+    assert all(message[0] is None or message[0].numel() == 0 for message in raw.sent)
+    assert len(raw.notes) == sum(changes for _, _, changes in messages)
+
+
+def structures_cross(rank: int, world_size: int, backend: str, kind: str) -> int:
+    device = rank_device(rank, kind)
+    with transport.connect(1 - rank, backend=backend, device=device, timeout=30, slot_bytes=4096) as raw:
+        channel = boundary.StructureChannel(raw, device)
+        for structure, micro_batches, _ in changing_structures(device):
+            if rank == 0:
+                channel.send(boundary.flatten(structure), micro_batches)
+            else:
+                check_received(channel.recv(), structure, micro_batches)
+    return rank
+
+
+@pytest.mark.parametrize(("backend", "kind"), [
+    pytest.param("shm", "cpu", id="shm-cpu"),
+    pytest.param("dist", "cpu", id="dist-cpu"),
+    pytest.param("ipc", "cuda", id="ipc-cuda", marks=needs_cuda),
+])
+def test_changed_headers_cross_every_backend(tmp_path, backend, kind):
+    assert run_ranks(2, structures_cross, tmp_path, backend, kind) == [0, 1]
+
+
+def test_changed_headers_cross_a_loopback_channel():
+    channel = boundary.StructureChannel(LoopbackChannel(0, torch.device("cpu"), timeout=1), torch.device("cpu"))
+    for structure, micro_batches, _ in changing_structures(torch.device("cpu")):
+        channel.send(boundary.flatten(structure), micro_batches)
+        check_received(channel.recv(), structure, micro_batches)
+
+
+def test_encode_and_decode_rebuild_a_structure_from_its_description_and_payload():
+    cpu = torch.device("cpu")
+    asked = []
+
+    def receive_payload(payload_bytes: int) -> torch.Tensor:
+        asked.append(payload_bytes)
+        return payload.clone()
+
+    structure = nested()
+    description, payload = boundary.encode(structure, cpu, "a test structure")
+    decoded = boundary.decode(description, cpu, "a test structure", receive_payload)
+    assert asked == [payload.numel()]
+    flat, again = boundary.flatten(structure), boundary.flatten(decoded)
+    assert boundary.layout_mismatch(again.layout, flat.layout) is None
+    for got, sent in zip(again.tensors, flat.tensors, strict=True):
+        assert got.dtype == sent.dtype and torch.equal(got, sent.detach())
+    # No tensor bytes: no payload, and none asked for.
+    description, payload = boundary.encode((None, 3, torch.empty(0, 2)), cpu, "a test structure")
+    decoded = boundary.decode(description, cpu, "a test structure", receive_payload)
+    assert payload is None and len(asked) == 1
+    assert decoded[:2] == (None, 3) and decoded[2].shape == (0, 2)
 
 
 def test_what_cannot_be_pickled_is_a_type_error_naming_it():

@@ -107,6 +107,60 @@ def test_round_trips_and_ordering(tmp_path, backend, kind):
     assert run_ranks(2, round_trips, tmp_path, backend, kind) == [backend, backend]
 
 
+def notes_with_messages(rank: int, world_size: int, backend: str, kind: str) -> str:
+    device = rank_device(rank, kind)
+    store = dist.distributed_c10d._get_default_store()
+    # Several notes with one message: empty, small, and far larger than the slots, which grow for it.
+    several = [b"", b"header", random.Random(0).randbytes(200_000), b"x" * 5]
+    with transport.connect(1 - rank, backend=backend, device=device, timeout=10, num_slots=3,
+                           slot_bytes=4096) as channel:
+        if rank == 0:
+            with pytest.raises(TypeError, match="rank 0 -> rank 1: send_note takes bytes, not a str"):
+                channel.send_note("text")
+            # Three slots hold the first message's metadata and two messages: were a note to take a slot of its own,
+            # the second send would wait for a receiver that waits for it.
+            for index in range(2):
+                channel.send_note(bytes([index]))
+                channel.send([torch.full((3,), index, device=device)])
+            store.set("sent", "1")
+            for note in several:
+                channel.send_note(note)
+            channel.send([None, torch.ones(2, device=device), None])
+            channel.send([torch.zeros(1, device=device)])
+            channel.send_note(bytearray(b"last"))
+            channel.send([None])
+        else:
+            store.wait(["sent"])
+            for index in range(2):
+                assert torch.equal(channel.recv()[0], torch.full((3,), index, device=device))
+                assert channel.recv_note() == bytes([index])
+            if backend != "dist":  # which cannot tell: its recv_note waits for the next note
+                with pytest.raises(transport.ProtocolError, match="rank 0 -> rank 1: recv_note: no note came with"):
+                    channel.recv_note()
+            message = channel.recv()
+            assert message[0] is None and message[2] is None and torch.equal(message[1], torch.ones(2, device=device))
+            assert [channel.recv_note() for _ in several] == several
+            assert torch.equal(channel.recv()[0], torch.zeros(1, device=device))
+            assert channel.recv() == (None,)
+            assert channel.recv_note() == b"last"
+    return backend
+
+
+@pytest.mark.parametrize(("backend", "kind"), BACKENDS_AND_DEVICES)
+def test_notes_go_with_the_next_message_in_order_taking_no_slot(tmp_path, backend, kind):
+    assert run_ranks(2, notes_with_messages, tmp_path, backend, kind) == [backend, backend]
+
+
+def test_a_loopback_note_comes_out_once_its_message_is_received():
+    channel = transport.LoopbackChannel(0, torch.device("cpu"), timeout=1)
+    channel.send_note(b"header")
+    channel.send([None])
+    with pytest.raises(transport.ProtocolError, match="rank 0 -> rank 0: recv_note: no note came with"):
+        channel.recv_note()
+    assert channel.recv() == (None,)
+    assert channel.recv_note() == b"header"
+
+
 def auto_backend(rank: int, world_size: int, kind: str) -> str:
     device = rank_device(rank, kind)
     with transport.connect(1 - rank, device=device) as channel:

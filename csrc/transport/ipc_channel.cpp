@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -168,13 +169,19 @@ class IpcChannel {
     send_clock_.lap(kSendPosts);
     send_layout_if_changed(message);
     const c10::cuda::CUDAStream stream = copy_stream(message.bytes);
-    send_note(post);
+    send_data_note(post);
     send_clock_.lap(kSendNote);
     enqueue_copy(message, post, stream);
     send_clock_.lap(kSendCopy);
     keep_until_copied(message);
     ++send_seq_;
     send_clock_.lap(kSendRest);
+  }
+
+  // Goes with the next send's data note (ring_tags.h says why).
+  void send_note(const std::string& data) {
+    const std::lock_guard<std::recursive_mutex> call(call_mutex_);
+    append_note(outgoing_notes_, data);
   }
 
   py::tuple recv() {
@@ -188,6 +195,15 @@ class IpcChannel {
     py::tuple out = to_python(incoming);
     recv_clock_.lap(kRecvToPython);
     return out;
+  }
+
+  // The oldest note not taken yet of those that came with the messages received; None if there is none.
+  py::object recv_note() {
+    const std::lock_guard<std::recursive_mutex> call(call_mutex_);
+    if (notes_.empty()) return py::none();
+    py::bytes note(notes_.front());
+    notes_.pop_front();
+    return note;
   }
 
   // Gives the incoming slots a smaller generation, from a message the peer cannot have reached: it may
@@ -351,9 +367,17 @@ class IpcChannel {
   // this host enqueues the send, instead of after it. Nothing left to do can fail but the CUDA
   // calls themselves; if one does, the peer's stream waits for a message that never comes, as it
   // would for a peer that died, and this channel refuses to send again.
-  void send_note(const std::optional<PostRecord>& post) {
+  void send_data_note(const std::optional<PostRecord>& post) {
     const DataNote note{post ? post->post : 0, receiver_.posts_ordered_before(caller_stream().stream())};
-    send_on_host_ring(&note, sizeof(note), post ? kTagDataDirect : kTagData);
+    const uint32_t tag = post ? kTagDataDirect : kTagData;
+    if (outgoing_notes_.empty()) {
+      send_on_host_ring(&note, sizeof(note), tag);
+      return;
+    }
+    std::string with_notes(reinterpret_cast<const char*>(&note), sizeof(note));
+    with_notes += outgoing_notes_;
+    send_on_host_ring(with_notes.data(), with_notes.size(), tag);
+    outgoing_notes_.clear();
   }
 
   void enqueue_copy(const OutgoingMessage& message, const std::optional<PostRecord>& post,
@@ -398,6 +422,7 @@ class IpcChannel {
     const bool layout_changed = message.tag == kTagMeta;
     if (layout_changed) message = adopt_layout(message);
     const DataNote note = data_note_of(message);
+    keep_notes_after(message);
     const c10::cuda::CUDAGuard guard(device_);
     const c10::cuda::CUDAStream caller = caller_stream();
     // Posted ahead of this message's wait, the posts' counter writes stay off the stream's critical path.
@@ -437,7 +462,7 @@ class IpcChannel {
   }
 
   DataNote data_note_of(const Message& message) const {
-    if ((message.tag != kTagData && message.tag != kTagDataDirect) || message.bytes != sizeof(DataNote)) {
+    if ((message.tag != kTagData && message.tag != kTagDataDirect) || message.bytes < sizeof(DataNote)) {
       throw ProtocolError(receive_direction_ + ": host message " + std::to_string(message.seq) + " has tag " +
                           std::to_string(message.tag) + " and " + std::to_string(message.bytes) +
                           " bytes where data was expected");
@@ -445,6 +470,15 @@ class IpcChannel {
     DataNote note;
     std::memcpy(&note, message.data, sizeof(note));
     return note;
+  }
+
+  // The caller's notes that came after the data note, for recv_note.
+  void keep_notes_after(const Message& message) {
+    const size_t after = message.bytes - sizeof(DataNote);
+    if (!read_notes(static_cast<const char*>(message.data) + sizeof(DataNote), after, notes_)) {
+      throw ProtocolError(receive_direction_ + ": host message " + std::to_string(message.seq) + " holds " +
+                          std::to_string(after) + " bytes after its data note that are no notes");
+    }
   }
 
   // The message came into the buffer this end posted for it: the caller's stream waits for its ready
@@ -540,6 +574,8 @@ class IpcChannel {
   const HostInbox::GrowAnswer grow_answer_ = [this](const GrowRequest& request) { return answer_grow(request); };
   std::optional<ControlPlane::Membership> membership_;  // from connect() to close()
   MessageMeta sent_meta_;
+  std::string outgoing_notes_;     // sent with the next message's data note (append_note's format)
+  std::deque<std::string> notes_;  // came with the messages received, not taken by recv_note yet
   std::shared_ptr<const Layout> received_;
   uint64_t sent_fingerprint_;
   uint64_t send_seq_ = 0;
@@ -566,6 +602,8 @@ void register_ipc_channel(py::module_& module) {
       .def("connect", &IpcChannel::connect, py::arg("peer_handles"), py::call_guard<py::gil_scoped_release>())
       .def("send", &IpcChannel::send, py::arg("entries"))
       .def("recv", &IpcChannel::recv)
+      .def("send_note", &IpcChannel::send_note, py::arg("data"), py::call_guard<py::gil_scoped_release>())
+      .def("recv_note", &IpcChannel::recv_note)
       .def("shrink", &IpcChannel::shrink, py::arg("slot_bytes"), py::call_guard<py::gil_scoped_release>())
       .def("transfers_done", &IpcChannel::transfers_done)
       .def("host_phase_times", &IpcChannel::host_phase_times)

@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <deque>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -55,8 +56,14 @@ class ShmChannel {
       sender_.send_bytes(encoded.data(), encoded.size(), kTagMeta);
       sent_meta_ = std::move(meta);
     }
-    sender_.send(parts_of(present_tensors(outgoing)), kTagData);
+    std::vector<MessagePart> parts = parts_of(present_tensors(outgoing));
+    if (!outgoing_notes_.empty()) parts.push_back({outgoing_notes_.data(), outgoing_notes_.size()});
+    sender_.send(parts, kTagData);
+    outgoing_notes_.clear();
   }
+
+  // Goes with the next send, after its tensors (ring_tags.h says why).
+  void send_note(const std::string& data) { append_note(outgoing_notes_, data); }
 
   py::tuple recv() {
     Entries incoming;
@@ -68,7 +75,7 @@ class ShmChannel {
         receiver_.release(message.seq);
         message = receiver_.recv();
       }
-      if (message.tag != kTagData || received_meta_.empty() && message.bytes != 0) {
+      if (message.tag != kTagData) {
         throw ProtocolError(receive_direction_ + ": message " + std::to_string(message.seq) + " has tag " +
                             std::to_string(message.tag) + " where data was expected");
       }
@@ -77,6 +84,14 @@ class ShmChannel {
       receiver_.release(message.seq);
     }
     return to_python(incoming);
+  }
+
+  // The oldest note not taken yet of those that came with the messages received; None if there is none.
+  py::object recv_note() {
+    if (notes_.empty()) return py::none();
+    py::bytes note(notes_.front());
+    notes_.pop_front();
+    return note;
   }
 
   bool shrink(size_t slot_bytes) { return receiver_.shrink(slot_bytes); }
@@ -98,13 +113,18 @@ class ShmChannel {
   }
 
  private:
-  void copy_out(const Message& message, const std::vector<at::Tensor>& outs) const {
+  // Also keeps the notes that came after the tensors.
+  void copy_out(const Message& message, const std::vector<at::Tensor>& outs) {
     const std::vector<MessagePart> parts = parts_of(outs);
     const size_t expected = packed_message_bytes(parts.data(), parts.size());
-    if (message.bytes != expected) {
+    const size_t notes_at = align_to_pack(expected);  // the offset of the part send() added for them
+    const bool notes_follow =
+        message.bytes > notes_at &&
+        read_notes(static_cast<const uint8_t*>(message.data) + notes_at, message.bytes - notes_at, notes_);
+    if (message.bytes != expected && !notes_follow) {
       throw ProtocolError(receive_direction_ + ": message " + std::to_string(message.seq) + " holds " +
                           std::to_string(message.bytes) + " bytes but its metadata describes " +
-                          std::to_string(expected));
+                          std::to_string(expected) + " and no notes follow");
     }
     std::vector<Segment> segments;
     size_t offset = 0;
@@ -123,6 +143,8 @@ class ShmChannel {
   std::string receive_direction_;
   MessageMeta sent_meta_;
   MessageMeta received_meta_;
+  std::string outgoing_notes_;      // sent with the next message (append_note's format)
+  std::deque<std::string> notes_;  // came with the messages received, not taken by recv_note yet
   std::mutex closing_;  // interrupt() may come while another thread's call ends in close()
 };
 
@@ -136,6 +158,8 @@ void register_shm_channel(py::module_& module) {
       .def("connect", &ShmChannel::connect, py::call_guard<py::gil_scoped_release>())
       .def("send", &ShmChannel::send, py::arg("entries"))
       .def("recv", &ShmChannel::recv)
+      .def("send_note", &ShmChannel::send_note, py::arg("data"))
+      .def("recv_note", &ShmChannel::recv_note)
       .def("shrink", &ShmChannel::shrink, py::arg("slot_bytes"))
       .def("interrupt", &ShmChannel::interrupt)
       .def("close", &ShmChannel::close, py::arg("reason") = "");

@@ -1,16 +1,17 @@
-"""How a stage's output structure crosses a channel: its tensors as the message, the rest in a header sent only when it changes."""
+"""How a structure crosses ranks: its tensors as one message or payload, the rest pickled on the host."""
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
+from pipecomm import _C
 from pipecomm.parallel.mesh import named_mesh
 
 __all__: list[str] = []
@@ -133,6 +134,31 @@ def deserialize(data: bytes) -> tuple[Layout, Any]:
     return Layout(spec, leaves), extra
 
 
+class Encoded(NamedTuple):
+    description: bytes  # for the host: the layout and the tensors' metadata
+    payload: torch.Tensor | None  # the tensors' bytes packed on the device; None when they hold none
+
+
+def encode(structure: Any, device: torch.device, what: str) -> Encoded:
+    """A structure taken apart for a broadcast, by the channels' codec (``_C.MessageCodec``): ``decode`` rebuilds it."""
+    flat = flatten(structure)
+    _, meta, payload = _C.MessageCodec(str(device), what, what).encode(flat.tensors)
+    payload_bytes = 0 if payload is None else payload.numel()
+    return Encoded(serialize(flat.layout, (meta.numpy().tobytes(), payload_bytes), what), payload)
+
+
+def decode(description: bytes, device: torch.device, what: str,
+           receive_payload: Callable[[int], torch.Tensor]) -> Any:
+    """The structure ``encode`` took apart, on ``device``; ``receive_payload(size)`` returns its payload, and is called
+    only for a payload of some bytes."""
+    layout, (meta, payload_bytes) = deserialize(description)
+    codec = _C.MessageCodec(str(device), what, what)
+    tensors = codec.allocate(torch.frombuffer(bytearray(meta), dtype=torch.uint8), payload_bytes)
+    if payload_bytes:
+        codec.unpack_payload(receive_payload(payload_bytes))
+    return unflatten(tensors, layout)
+
+
 class _Header(NamedTuple):
     layout: Layout
     requires_grad: tuple[bool, ...]
@@ -148,14 +174,15 @@ class Received(NamedTuple):
 
 
 class StructureChannel:
-    """Sends a structure as ``(header, *tensors)`` over a channel of flat tensor tuples.
+    """Sends a structure as ``(marker, *tensors)`` over a channel of flat tensor tuples.
 
-    The header (the layout, each tensor's ``requires_grad`` and the micro-batch count) is pickled
-    only when it differs from the last one sent: into a uint8 tensor in its slot, or, over a channel
-    that carries notes on the host, into a note, an empty tensor in its slot, so that neither end waits
-    for the GPU. Otherwise its slot is None, so a steady-state message costs one None entry and no
-    pickling. Received tensors that required grad on
-    the sender become leaves that require grad; only for those does the receiver compute gradients.
+    The header (the layout, each tensor's ``requires_grad``, the micro-batch count and the batch size)
+    is pickled only when it differs from the last one sent, and goes as a note on the host with the
+    message (``Channel.send_note``), so that neither end copies it to or from the GPU; the marker, an
+    empty tensor, says that one came (the receiver cannot tell otherwise over torch.distributed).
+    Otherwise the marker is None, so a steady-state message costs one None entry and no pickling.
+    Received tensors that required grad on the sender become leaves that require grad; only for those
+    does the receiver compute gradients.
     """
 
     def __init__(self, channel, device: torch.device):
@@ -167,22 +194,18 @@ class StructureChannel:
     def send(self, flat: Flat, micro_batches: int, batch_size: int | None = None) -> None:
         """``batch_size`` (the whole batch's, as the first stage got it) lets the last stage check its targets."""
         header = _Header(flat.layout, tuple(tensor.requires_grad for tensor in flat.tensors), micro_batches, batch_size)
-        encoded = None
+        marker = None
         if not _same_header(header, self._sent):
-            data = serialize(header.layout, (header.requires_grad, micro_batches, batch_size), "a stage's output")
-            if self.channel.carries_notes:  # the bytes go on the host; an empty tensor says they come
-                self.channel.send_note(data)
-                encoded = torch.empty(0, dtype=torch.uint8, device=self.device)
-            else:
-                encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+            self.channel.send_note(serialize(header.layout, (header.requires_grad, micro_batches, batch_size),
+                                             "a stage's output"))
+            marker = torch.empty(0, dtype=torch.uint8, device=self.device)
             self._sent = header
-        self.channel.send((encoded, *(tensor.detach() for tensor in flat.tensors)))
+        self.channel.send((marker, *(tensor.detach() for tensor in flat.tensors)))
 
     def recv(self) -> Received:
-        encoded, *tensors = self.channel.recv()
-        if encoded is not None:
-            data = self.channel.recv_note() if self.channel.carries_notes else encoded.cpu().numpy().tobytes()
-            layout, (requires_grad, micro_batches, batch_size) = deserialize(data)
+        marker, *tensors = self.channel.recv()
+        if marker is not None:
+            layout, (requires_grad, micro_batches, batch_size) = deserialize(self.channel.recv_note())
             self._received = _Header(layout, requires_grad, micro_batches, batch_size)
         header = self._received
         if header is None:

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from pipecomm import _C
 from pipecomm.runtime import boundary
 from pipecomm.runtime.fail_fast import CallProtocol
 from pipecomm.runtime.failure import Collective
@@ -119,35 +118,27 @@ class PipelineCollectives:
         return self._loss_wire.to(self.device, copy=True)
 
     def broadcast_result(self, result):
-        """The last stage's inference output on every rank, as three broadcasts: the channels' frame header (with the
-        layout's length), the tensors' metadata with the output's layout, and the packed payload."""
+        """The last stage's inference output on every rank: the length and bytes of its host description
+        (``boundary.encode``), then its tensors packed into one payload."""
+        what = "the inference output"
         wire = self.wire_device()
-        codec = _C.MessageCodec(str(self.device), "the inference output", "the inference output")
-        last = self.rank == self.last_rank
-        if last:
-            flat = boundary.flatten(result)
-            header, meta, payload = codec.encode(flat.tensors)
-            layout = boundary.serialize(flat.layout, None, "the inference output")
-            sizes = torch.cat([header, torch.tensor([len(layout)])])
-            described = torch.cat([meta, torch.frombuffer(bytearray(layout), dtype=torch.uint8)])
-        else:
-            sizes = torch.zeros(_C.FRAME_HEADER_FIELDS + 1, dtype=torch.int64)
-        sizes = self._broadcast_host(sizes, wire, "the inference output's header")
-        _, meta_bytes, payload_bytes = codec.read_header(sizes[:-1])
-        if not last:
-            described = torch.empty(meta_bytes + int(sizes[-1]), dtype=torch.uint8)
-        described = self._broadcast_host(described, wire, "the inference output's layout")
-        if last:
-            if payload_bytes:
-                self.broadcast(payload.to(wire), "the inference output's tensors")
+        if self.rank == self.last_rank:
+            description, payload = boundary.encode(result, self.device, what)
+            self._broadcast_host(torch.tensor([len(description)]), wire, f"the size of {what}'s description")
+            self._broadcast_host(torch.frombuffer(bytearray(description), dtype=torch.uint8), wire,
+                                 f"{what}'s description")
+            if payload is not None:
+                self.broadcast(payload.to(wire), f"{what}'s tensors")
             return result
-        tensors = codec.allocate(described[:meta_bytes], payload_bytes)
-        if payload_bytes:
+        size = self._broadcast_host(torch.zeros(1, dtype=torch.int64), wire, f"the size of {what}'s description")
+        description = self._broadcast_host(torch.empty(int(size), dtype=torch.uint8), wire, f"{what}'s description")
+
+        def receive_payload(payload_bytes: int) -> torch.Tensor:
             payload = torch.empty(payload_bytes, dtype=torch.uint8, device=wire)
-            self.broadcast(payload, "the inference output's tensors")
-            codec.unpack_payload(payload)
-        layout, _ = boundary.deserialize(described[meta_bytes:].numpy().tobytes())
-        return boundary.unflatten(tensors, layout)
+            self.broadcast(payload, f"{what}'s tensors")
+            return payload
+
+        return boundary.decode(description.numpy().tobytes(), self.device, what, receive_payload)
 
     def gather_at_first_rank(self, value, num_ranks: int) -> list | None:
         """Every rank's picklable ``value``, in rank order, on pipeline rank 0 (None on the others)."""

@@ -50,8 +50,8 @@ class Handle:
 class Channel(abc.ABC):
     """Both directions between this rank and one peer. Messages arrive in the order they were sent.
 
-    Not thread-safe: a channel takes one call at a time. A call (send, recv, shrink, the async
-    variants and their handles' ``wait``) made while another thread is inside one raises
+    Not thread-safe: a channel takes one call at a time. A call (send, recv, the notes, shrink, the
+    async variants and their handles' ``wait``) made while another thread is inside one raises
     ProtocolError at once and changes nothing; give each thread its own channel instead.
     ``close`` and ``abort`` may come from any thread at any time: a call in progress in another
     thread then raises ProtocolError (over shared memory and CUDA IPC at once; over
@@ -60,8 +60,6 @@ class Channel(abc.ABC):
     """
 
     backend: str
-    # Whether send_note / recv_note carry bytes on the host beside the next message (the dist backend).
-    carries_notes = False
     initial_slot_bytes: int = 1 << 20  # what connect() was given; shrink()'s default
 
     def __init__(self, rank: int, peer_rank: int, device: torch.device, timeout: float):
@@ -97,6 +95,31 @@ class Channel(abc.ABC):
         finally:
             self._leave()
         return message if out is None else self._fill(out, message)
+
+    def send_note(self, data: bytes) -> None:
+        """Sends ``data`` on the host with this end's next message, for the peer's ``recv_note`` once it has received
+        that message: no device copy or wait for the GPU at either end (a stage boundary's structure header goes so)."""
+        if not isinstance(data, (bytes, bytearray)):
+            raise TypeError(f"{self._describe_direction('send')}: send_note takes bytes, not a {type(data).__name__}")
+        self._enter("send_note")
+        try:
+            self._send_note(bytes(data))
+        finally:
+            self._leave()
+
+    def recv_note(self) -> bytes:
+        """The oldest note not taken yet of those that came with the messages received so far; notes come out in the
+        order they were sent, each once. If there is none, a ProtocolError, except over torch.distributed, which
+        cannot tell: there the call waits for the peer's next note, up to the timeout."""
+        self._enter("recv_note")
+        try:
+            note = self._recv_note()
+        finally:
+            self._leave()
+        if note is None:
+            raise ProtocolError(f"{self._describe_direction('receive')}: recv_note: no note came with the messages "
+                                f"received so far, or each was taken already")
+        return note
 
     def send_recv(self, tensors: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
         """Sends a message and receives the peer's, as in the 1F1B steady state."""
@@ -260,6 +283,14 @@ class Channel(abc.ABC):
         """Receives the next message."""
 
     @abc.abstractmethod
+    def _send_note(self, data: bytes) -> None:
+        """Sends a note with the next message."""
+
+    @abc.abstractmethod
+    def _recv_note(self) -> bytes | None:
+        """Takes the oldest note that came with the messages received; None if there is none."""
+
+    @abc.abstractmethod
     def _shrink(self, slot_bytes: int) -> bool:
         """Shrinks this end's incoming slots to ``slot_bytes``; returns whether they shrank."""
 
@@ -279,8 +310,8 @@ class Channel(abc.ABC):
 
 
 class NativeChannel(Channel):
-    """A backend whose every message is one call of a native channel (shm, IPC): send, recv, shrink and interrupt
-    go straight to it; opening, close and abort stay the backend's own."""
+    """A backend whose every message is one call of a native channel (shm, IPC): send, recv, the notes, shrink and
+    interrupt go straight to it; opening, close and abort stay the backend's own."""
 
     def __init__(self, rank: int, peer_rank: int, device: torch.device, timeout: float, native):
         super().__init__(rank, peer_rank, device, timeout)
@@ -291,6 +322,12 @@ class NativeChannel(Channel):
 
     def _recv(self):
         return self._native.recv()
+
+    def _send_note(self, data):
+        self._native.send_note(data)
+
+    def _recv_note(self):
+        return self._native.recv_note()
 
     def _shrink(self, slot_bytes):
         return self._native.shrink(slot_bytes)

@@ -38,7 +38,6 @@ class DistChannel(Channel):
     """
 
     backend = "dist"
-    carries_notes = True
 
     def __init__(self, rank, peer_rank, device, timeout, group, rendezvous, num_slots):
         super().__init__(rank, peer_rank, device, timeout)
@@ -72,33 +71,23 @@ class DistChannel(Channel):
         self._slot: tuple | None = None  # (buffer, work) of the next payload's slot, once posted
         self._slot_bytes = 0  # the slot the peer posts for this end's next message
         self._peer_gone: str | None = None  # why the peer takes no more messages, once known
-        self._note: tuple | None = None  # (works, buffers) of a note that goes out with the next message
+        # (work, buffer) of each note part sent since the last message: they complete with the next one's sends.
+        self._notes: list[tuple] = []
 
-    def send_note(self, data: bytes) -> None:
-        """Bytes for the peer's ``recv_note``, sent on the host with the next message: no GPU copy at either end,
-        so no wait for the GPU (a stage boundary's structure header goes so)."""
-        self._enter("send_note")
-        try:
-            length = torch.tensor([len(data)], dtype=torch.int64)
-            body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else _FILLER
-            what = f"the note of message {self._send_seq}"
-            self._note = ([self._post(self._control, length, _NOTE_TAG, what, "send"),
-                           self._post(self._control, body, _NOTE_TAG, what, "send")], (length, body))
-        finally:
-            self._leave()
+    def _send_note(self, data):
+        # Over gloo, in order on their own tag: a note's length, then its bytes.
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else _FILLER
+        what = f"a note with message {self._send_seq}"
+        self._notes += [(self._post(self._control, part, _NOTE_TAG, what, "send"), part) for part in (length, body)]
 
-    def recv_note(self) -> bytes:
-        """The bytes the peer's ``send_note`` sent with the message received last."""
-        self._enter("recv_note")
-        try:
-            seq = self._recv_seq - 1
-            length = self._await(self._post_receive(torch.empty(1, dtype=torch.int64), _NOTE_TAG, seq, "note"), seq,
-                                 "note's length")
-            body = self._await(self._post_receive(torch.empty(int(length), dtype=torch.uint8), _NOTE_TAG, seq, "note"),
-                               seq, "note")
-            return body.numpy().tobytes()
-        finally:
-            self._leave()
+    def _recv_note(self):
+        seq = self._recv_seq - 1
+        length = self._await(self._post_receive(torch.empty(1, dtype=torch.int64), _NOTE_TAG, seq, "note"), seq,
+                             "note's length")
+        body = self._await(self._post_receive(torch.empty(int(length), dtype=torch.uint8), _NOTE_TAG, seq, "note"),
+                           seq, "note")
+        return body.numpy().tobytes()
 
     def _connect_nccl(self) -> None:
         """Creates both directions' NCCL communicators now, in the same order on both ranks: created on first use,
@@ -116,9 +105,8 @@ class DistChannel(Channel):
         self._retire_sends()
         header, meta, payload = self._codec.encode(tensors)
         what = f"message {self._send_seq}"
-        note_works, note_buffers = self._note or ([], ())
-        self._note = None
-        host = [*note_works, self._post(self._control, header, _HEADER_TAG, what, "send")]
+        notes, self._notes = self._notes, []
+        host = [*(work for work, _ in notes), self._post(self._control, header, _HEADER_TAG, what, "send")]
         if meta is not None:
             host.append(self._post(self._control, meta, _META_TAG, what, "send"))
         device_works = []
@@ -134,7 +122,8 @@ class DistChannel(Channel):
             if payload_bytes and not fits:
                 host.append(self._post(self._control, payload, _PAYLOAD_TAG, what, "send"))
             self._slot_bytes = payload_bytes
-        self._in_flight.append((self._send_seq, host, device_works, (header, meta, payload, *note_buffers)))
+        buffers = (header, meta, payload, *(part for _, part in notes))
+        self._in_flight.append((self._send_seq, host, device_works, buffers))
         self._send_seq += 1
 
     def _retire_sends(self) -> None:

@@ -183,6 +183,32 @@ void test_a_concurrent_sender() {
   CHECK(answered == (kMessages + 6) / 7);
 }
 
+// A data note with the caller's notes after it (ring_tags.h) larger than the host ring's slots: the sender
+// waits for the ring to grow, which the receiver's wait does, and the message comes out whole, in order.
+void test_a_message_larger_than_a_slot_comes_out_whole_in_order() {
+  HostRing ring("large", 2);
+  std::string large(200 * 1024, '\0');
+  for (size_t index = 0; index < large.size(); ++index) large[index] = static_cast<char>(index * 7 % 251);
+  std::thread sender([&] {
+    ring.send(kTagData, 1);
+    ring.sender.send_bytes(large.data(), large.size(), kTagData);
+    ring.send(kTagData, 2);
+  });
+  ControlPlane plane;
+  std::atomic<bool> interrupted{false};
+  const auto next = [&] { return ring.inbox.wait_for_message(nullptr, plane, 10.0, interrupted); };
+  const Message first = next();
+  CHECK(value_of(first) == 1);
+  ring.inbox.release(first.seq);
+  const Message second = next();
+  CHECK(second.bytes == large.size() && std::memcmp(second.data, large.data(), large.size()) == 0);
+  ring.inbox.release(second.seq);
+  const Message last = next();
+  CHECK(value_of(last) == 2);
+  ring.inbox.release(last.seq);
+  sender.join();
+}
+
 void test_a_wait_answers_requests_and_services_the_plane() {
   HostRing ring("wait", 4);
   ControlPlane plane;
@@ -261,6 +287,8 @@ const TestCase kTestCases[] = {
     {"what_came_before_a_close_still_comes_out", test_what_came_before_a_close_still_comes_out, false},
     {"a_malformed_grow_request_is_a_failure", test_a_malformed_grow_request_is_a_failure, false},
     {"a_concurrent_sender", test_a_concurrent_sender, false},
+    {"a_message_larger_than_a_slot_comes_out_whole_in_order", test_a_message_larger_than_a_slot_comes_out_whole_in_order,
+     false},
     {"a_wait_answers_requests_and_services_the_plane", test_a_wait_answers_requests_and_services_the_plane, false},
     {"a_wait_times_out_in_the_rings_words", test_a_wait_times_out_in_the_rings_words, false},
     {"an_interrupted_wait_stops", test_an_interrupted_wait_stops, false},
