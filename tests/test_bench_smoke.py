@@ -172,7 +172,8 @@ def test_stage_costs_measures_f_i_w_and_tabulates(tmp_path, run_bench):
 
 
 def test_recompute_memory_smoke_keeps_less_with_recomputation_and_offloads(tmp_path, run_bench):
-    result = run_bench("recompute_memory.py", "--stages", "2", "--json", str(tmp_path / "recompute.json"))
+    result = run_bench("recompute_memory.py", "--stages", "2", "--warmup", "1", "--rounds", "1", "--json",
+                       str(tmp_path / "recompute.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["mode"]: row for row in json.loads((tmp_path / "recompute.json").read_text())["rows"]}
     assert rows["stage"]["kept_MiB"] < rows["layers"]["kept_MiB"] < rows["none"]["kept_MiB"]
