@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from torch import nn
 
 from equivalence import float_batch, mse, train_like_one_process
@@ -103,3 +104,20 @@ def auto_offloads(rank: int, world_size: int) -> tuple:
 def test_auto_measures_what_waits_and_tries_every_schedule_offloaded(tmp_path):
     # The three measured steps count the bytes; the plan's and 1f1b's trials, and the schedule kept, offload.
     assert all(copied > 0 for copied in run_ranks(2, auto_offloads, tmp_path, timeout=180))
+
+
+def test_an_inplace_change_to_a_saved_tensor_is_refused_as_autograd_refuses_it():
+    def forward(x):
+        y = x * 2
+        z = y.sin()  # saves y
+        y.add_(1)  # autograd's version check refuses the backward; hooks alone would carry the change into it
+        return z
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        forward(x).sum().backward()
+    offloader = ActivationOffloader(torch.device("cpu"), [(0, 0, "F")], [])
+    with offloader.saving((0, 0, "F")):
+        forward(x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation after the forward saved it"):
+        offloader.offload((0, 0, "F"))

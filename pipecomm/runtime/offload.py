@@ -28,11 +28,20 @@ _MIN_CUDA_BYTES = 1 << 16
 class _Parked:
     """One tensor of a wait: on the device until its copy out, then in host memory until its copy back."""
 
-    __slots__ = ("device_tensor", "host_tensor")
+    __slots__ = ("device_tensor", "host_tensor", "version")
 
     def __init__(self, tensor: torch.Tensor):
         self.device_tensor: torch.Tensor | None = tensor
         self.host_tensor: torch.Tensor | None = None
+        self.version = tensor._version  # as saved: autograd's own check of later in-place changes, which hooks skip
+
+    def check_unchanged(self) -> None:
+        if self.device_tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation "
+                f"after the forward saved it (a tensor of shape {list(self.device_tensor.shape)}, version "
+                f"{self.device_tensor._version} instead of {self.version}); with offload the copy would carry the "
+                "changed values into the backward, so it is refused, as autograd refuses it without offload")
 
 
 class _WaitCopies:
@@ -85,6 +94,8 @@ class ActivationOffloader:
         copies = self._waits.get(wait)
         if copies is None or copies.offloaded:
             return
+        for parked in copies.parked:
+            parked.check_unchanged()
         if self.measure_only:
             self.parked_bytes[wait] = sum(parked.device_tensor.nbytes for parked in copies.parked)
             return
@@ -155,8 +166,8 @@ class ActivationOffloader:
     def _worth_parking(self, tensor: torch.Tensor) -> bool:
         if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
             return False  # parameters stay (FSDP's gathered ones too, Parameters while the forward runs)
-        if type(tensor) is not torch.Tensor or tensor.device != self.device:
-            return False  # so do tensor subclasses (DTensor's local shard is what a copy would need)
+        if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or tensor.device != self.device:
+            return False  # so do tensor subclasses (DTensor's local shard is what a copy would need) and sparse ones
         if self._cuda and tensor.nbytes < _MIN_CUDA_BYTES:
             return False
         return tensor.untyped_storage().data_ptr() not in self._parameter_storages
@@ -169,6 +180,8 @@ class ActivationOffloader:
             self.reload(copies.wait)  # not started in time: now, and the compute stream waits for it
         if self._cuda and copies.copied_back is not None:
             torch.cuda.current_stream(self.device).wait_event(copies.copied_back)
+        if not copies.offloaded:
+            parked.check_unchanged()
         return parked.device_tensor
 
 
