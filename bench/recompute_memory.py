@@ -141,7 +141,7 @@ def measure(config_name: str, p: int, mode: str, device: torch.device, dtype: to
         # Only stage 0 runs here: the others take as long as it does, as on a balanced pipeline.
         plan = plan_offload(schedule, simulate(schedule, costs).timeline, activation_bytes / speeds[0],
                             activation_bytes / speeds[1])
-        offloader = ActivationOffloader(device, plan.offloaded[0], module.parameters())
+        offloader = ActivationOffloader(device, plan.offloaded[0], [module])
         reloads = plan.reloads_at(0)
         offloaded = len(plan.offloaded[0])
         one_round(offloader, reloads)

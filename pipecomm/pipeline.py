@@ -159,11 +159,12 @@ class Pipeline:
             self._collectives = PipelineCollectives(group, self.rank, self.schedule.stage_rank(num_stages - 1),
                                                     self.device, self.calls, timeout, self._links.channels,
                                                     self.schedule)
-            saved_bytes = SavedBytesMeter(self.device, self.parameters()) if offload is True and auto else None
+            stage_modules = list(self.modules.values())
+            saved_bytes = SavedBytesMeter(self.device, stage_modules) if offload is True and auto else None
             self._planner = (AutoPlanner(self._collectives, self.num_ranks, micro_batches, self.schedule, saved_bytes)
                              if auto else None)
             self.offload_plan: OffloadPlan | None = None
-            self._offload_planner = (OffloadPlanner(self._collectives, self.num_ranks, self.device, self.parameters())
+            self._offload_planner = (OffloadPlanner(self._collectives, self.num_ranks, self.device, stage_modules)
                                      if offload is True and not auto else None)
             if isinstance(offload, OffloadPlan):
                 check_plan(offload, self.schedule)

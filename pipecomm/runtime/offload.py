@@ -3,14 +3,15 @@ ends, and back before the pass that reads them, on side streams the compute stre
 
 A forward's saved activations are caught by saved-tensor hooks (as ``torch.autograd.graph.save_on_cpu`` does, but
 only for the planned micro-batches, with the copies asynchronous); the W pass's inputs are the tensors of its
-deferred gradients. Parameters (and views of them) stay where they are: they live on the device anyway. A tensor
-the backward reads before its copy back was started is copied back then, on the spot: a plan that timed the passes
-wrongly costs a wait, never a wrong result. On the CPU the copies are host-to-host clones, which exercises the same
-bookkeeping.
+deferred gradients. Parameters and buffers (and views of them) stay where they are: they live on the device anyway.
+A tensor the backward reads before its copy back was started is copied back then, on the spot: a plan that timed
+the passes wrongly costs a wait, never a wrong result. On the CPU the copies are host-to-host clones, which
+exercises the same bookkeeping.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -64,14 +65,15 @@ class ActivationOffloader:
     copies back. Holds nothing between steps.
     """
 
-    def __init__(self, device: torch.device, offloaded: Iterable[Wait], parameters: Iterable[nn.Parameter], *,
+    def __init__(self, device: torch.device, offloaded: Iterable[Wait], modules: Iterable[nn.Module], *,
                  measure_only: bool = False):
-        """``measure_only``: the waits' tensors are parked and counted (``parked_bytes``) but never copied."""
+        """``modules``: the stages, whose parameters and buffers stay on the device. ``measure_only``: the waits'
+        tensors are parked and counted (``parked_bytes``) but never copied."""
         self.device = device
         self.offloaded = frozenset(offloaded)
         self.measure_only = measure_only
         self.parked_bytes: dict[Wait, int] = {}
-        self._parameter_storages = _storage_pointers(parameters)
+        self._resident_storages = _storage_pointers(modules)
         self._waits: dict[Wait, _WaitCopies] = {}
         self._cuda = device.type == "cuda"
         if self._cuda:
@@ -170,7 +172,7 @@ class ActivationOffloader:
             return False  # so do tensor subclasses (DTensor's local shard is what a copy would need) and sparse ones
         if self._cuda and tensor.nbytes < _MIN_CUDA_BYTES:
             return False
-        return tensor.untyped_storage().data_ptr() not in self._parameter_storages
+        return tensor.untyped_storage().data_ptr() not in self._resident_storages
 
     def _unpack(self, packed) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -185,12 +187,14 @@ class ActivationOffloader:
         return parked.device_tensor
 
 
-def _storage_pointers(parameters: Iterable[nn.Parameter]) -> set[int]:
-    """Where the parameters' data lives (a DTensor's: its local shard's)."""
+def _storage_pointers(modules: Iterable[nn.Module]) -> set[int]:
+    """Where the modules' parameters and buffers live (a DTensor's: its local shard's): they stay on the device
+    anyway, so a copy of them would free nothing."""
     pointers = set()
-    for param in parameters:
-        local = param.to_local() if isinstance(param, DTensor) else param
-        pointers.add(local.untyped_storage().data_ptr())
+    for module in modules:
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            pointers.add(local.untyped_storage().data_ptr())
     return pointers
 
 

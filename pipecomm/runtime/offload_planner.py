@@ -26,19 +26,19 @@ _PROBE_BYTES = 64 << 20
 
 
 class SavedBytesMeter:
-    """The bytes a micro-batch's forward saves on this rank (over its stages, parameters aside), counted on the
-    steps it is attached to by an offloader that copies nothing."""
+    """The bytes a micro-batch's forward saves on this rank (over its stages, their parameters and buffers aside),
+    counted on the steps it is attached to by an offloader that copies nothing."""
 
-    def __init__(self, device: torch.device, parameters: Iterable[nn.Parameter]):
+    def __init__(self, device: torch.device, modules: Iterable[nn.Module]):
         self.device = device
-        self.parameters = list(parameters)
+        self.modules = list(modules)
         self._counted: ActivationOffloader | None = None
 
     def attach(self, executor: StageExecutor) -> None:
         if self._counted is None:
             waits = [(action.stage, action.micro_batch, "F") for action in executor.schedule.actions[executor.rank]
                      if action.kind == "F"]
-            self._counted = ActivationOffloader(self.device, waits, self.parameters, measure_only=True)
+            self._counted = ActivationOffloader(self.device, waits, self.modules, measure_only=True)
         executor.set_offload(self._counted, {})
 
     def detach(self, executor: StageExecutor) -> None:
@@ -61,10 +61,10 @@ class OffloadPlanner:
     each way; plans for the slowest rank's (a max over the pipeline, so that every rank plans alike)."""
 
     def __init__(self, collectives: PipelineCollectives, num_ranks: int, device: torch.device,
-                 parameters: Iterable[nn.Parameter]):
+                 modules: Iterable[nn.Module]):
         self.collectives = collectives
         self.num_ranks = num_ranks
-        self.meter = SavedBytesMeter(device, parameters)
+        self.meter = SavedBytesMeter(device, modules)
 
     def before_step(self, executor: StageExecutor) -> None:
         """The step to measure: every forward's saved activations counted, none copied."""

@@ -64,8 +64,7 @@ class PreparedStages:
 
     def set_offload(self, plan: OffloadPlan, device: torch.device) -> None:
         """From the next step on, this rank's waits of ``plan`` go to host memory."""
-        params = [param for sink in self.sinks.values() for param in sink.params]
-        self.executor.set_offload(ActivationOffloader(device, plan.offloaded[self.rank], params),
+        self.executor.set_offload(ActivationOffloader(device, plan.offloaded[self.rank], self._modules),
                                   plan.reloads_at(self.rank))
 
     def restore(self) -> None:
