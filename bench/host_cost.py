@@ -268,6 +268,7 @@ def alone_runner(row: str, module: nn.Module, rank: int, shape: Shape, loss_fn: 
     its gradient, as a received activation does."""
     forward = meter.timed(module.__call__, "F")
     backward = meter.timed(torch.autograd.backward, "B")
+    dtype = next(module.parameters()).dtype
 
     def step(inputs: torch.Tensor, target: torch.Tensor) -> None:
         for micro_input, micro_target in zip(inputs.chunk(shape.micro_batches), target.chunk(shape.micro_batches)):
@@ -275,7 +276,10 @@ def alone_runner(row: str, module: nn.Module, rank: int, shape: Shape, loss_fn: 
                 output = forward(micro_input)
                 backward([output], [torch.ones_like(output)])
             else:
-                loss = loss_fn(forward(micro_input.detach().requires_grad_()), micro_target) / shape.micro_batches
+                # The last stage of a token model reads the first stage's hidden states, not the tokens.
+                received = (micro_input if micro_input.is_floating_point()
+                            else torch.randn(*micro_input.shape, shape.hidden, device=micro_input.device, dtype=dtype))
+                loss = loss_fn(forward(received.detach().requires_grad_()), micro_target) / shape.micro_batches
                 backward([loss])
 
     return step, lambda: None
