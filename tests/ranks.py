@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import itertools
 import multiprocessing
 import multiprocessing.forkserver
@@ -34,6 +35,21 @@ from ports import free_port
 # and a process forked after that cannot use CUDA.
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo.testing", "pipecomm", "pytest",
             "numpy", "transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
+# And what a rank imports at its first use of some parts of torch and pipecomm (an import that fails is skipped):
+# torch.compile's (every dynamo backend, aot_autograd's and inductor's passes: 1.5 s of CPU), a capture's
+# (torch.export and the sympy it brings: 0.8 s), the planner's (numba and its cffi support: 0.5 s). Only on machines
+# without a GPU: with a CPU build of torch none of it asks for CUDA, but inductor's imports beside triton and a GPU
+# have not been checked for touching the driver.
+_FIRST_USE_PRELOAD = [
+    "torch._dynamo.backends.cudagraphs", "torch._dynamo.backends.distributed", "torch._dynamo.backends.inductor",
+    "torch._dynamo.backends.onnxrt", "torch._dynamo.backends.tensorrt", "torch._dynamo.backends.torchxla",
+    "torch._dynamo.backends.tvm", "torch._dynamo.repro.after_dynamo", "torch._dynamo.dce_extra_outputs",
+    "torch._inductor.compile_fx", "torch._inductor.compiler_bisector", "torch._subclasses.schema_check_mode",
+    "torch._functorch._aot_autograd.subclass_codegen", "torch.distributed.tensor.experimental", "torch.export._trace",
+    "torch._export.passes.replace_set_grad_with_hop_pass", "torch._export.passes.replace_autocast_with_hop_pass",
+    "torch._export.passes._node_metadata_hook", "torch.fx.experimental.validator", "sympy.tensor.tensor",
+    "sympy.sets.setexpr", "numba", "numba.core.typing.cffi_utils",
+]
 
 
 _calls = itertools.count()
@@ -41,7 +57,8 @@ _calls = itertools.count()
 
 def _rank_context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)  # read when the server starts, at the first rank of the session
+    preload = _PRELOAD if torch.cuda.is_available() else _PRELOAD + _FIRST_USE_PRELOAD
+    context.set_forkserver_preload(preload)  # read when the server starts, at the first rank of the session
     return context
 
 
@@ -52,6 +69,10 @@ def start_rank_server() -> None:
 
 
 def _entry(rank: int, world_size: int, store_path: str | int, process_group: str, results, fn, args) -> None:
+    # What the server imported (400,000 objects) out of the garbage collector's reach: a rank's full collections
+    # walked them all, writing to every page the rank shares with the server (copy-on-write), 0.3 s of CPU each and
+    # 40 s in the suite's ranks (0.8 s frozen). What the rank creates is collected as before.
+    gc.freeze()
     # Ranks share the machine's cores: more threads each would only make them contend.
     torch.set_num_threads(1)
     try:
@@ -143,6 +164,7 @@ def _fork_ranks(world_size: int, store_path: str | int, process_group: str, resu
     """Runs ``prepare`` once, then forks every rank from this process; reports a rank that exits unsuccessfully
     (its result, if any, is in the queue before the report: it flushed the queue before exiting)."""
     os.setpgrp()  # its ranks with it, so that the parent can kill them all at once
+    gc.freeze()  # as _entry does
     torch.set_num_threads(1)  # no thread pool in a process that forks
     try:
         prepared = prepare()
