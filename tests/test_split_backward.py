@@ -96,6 +96,22 @@ def test_outside_a_pipeline_step_the_hooked_layers_behave_as_usual():
             torch.testing.assert_close(param.grad, ref_param.grad)
 
 
+def test_a_rank_with_two_stages_of_one_architecture_defers_the_linears_of_both():
+    # Their layers have the same names in their stage modules (zb-v's V puts two such chunks on every rank).
+    first, second = Stage(), Stage()
+    store = WeightGradStore()
+    undo = defer_linear_weight_grads([first, second], store)
+    deferrals, collected = [], []
+    store.recording = deferrals
+    loss = second(first(torch.randn(4, 8, requires_grad=True))).sum()
+    store.recording, store.collecting = None, collected
+    loss.backward()
+    undo()
+    linears = [layer for stage in (first, second) for layer in stage.modules() if type(layer) is nn.Linear]
+    assert len(collected) == len(deferrals) == len(linears) > 0
+    assert all(layer.weight.grad is None for layer in linears)  # every weight GEMM left to the W pass
+
+
 class SharedWeights(nn.Module):
     """A Linear whose weight is read elsewhere too: a tied head, and an ``F.linear`` on it in the parent's forward."""
 

@@ -120,26 +120,27 @@ def _may_defer(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor)
     return x.requires_grad or (bias is not None and bias.requires_grad)
 
 
-def deferrable_linears(modules: Iterable[nn.Module]) -> dict[str, nn.Linear]:
-    """The layers whose weight gradients a W pass may compute, by name: ``nn.Linear`` itself (a subclass may compute
-    otherwise, as nn.MultiheadAttention's out_proj does) with the class's own forward."""
+def deferrable_linears(modules: Iterable[nn.Module]) -> list[tuple[str, nn.Linear]]:
+    """The layers whose weight gradients a W pass may compute, each once, with its name in its stage module:
+    ``nn.Linear`` itself (a subclass may compute otherwise, as nn.MultiheadAttention's out_proj does) with the class's
+    own forward. Keyed by identity, not name: a rank's two stages of one architecture name their layers alike."""
     found: dict[int, tuple[str, nn.Linear]] = {}
     for module in modules:
         for name, layer in module.named_modules():
             if type(layer) is nn.Linear and "forward" not in layer.__dict__:
                 found.setdefault(id(layer), (name, layer))
-    return dict(found.values())
+    return list(found.values())
 
 
 def defer_linear_weight_grads(modules: Iterable[nn.Module], store: WeightGradStore) -> Callable[[], None]:
     """Makes the ``deferrable_linears`` of ``modules`` defer their weight gradients while ``store`` records; returns
     the undo. The layers' forward hooks, the user's own included, see the layer's output as usual."""
     layers = deferrable_linears(modules)
-    for name, layer in layers.items():
+    for name, layer in layers:
         layer.forward = functools.partial(_deferring_forward, layer, name, store)
 
     def undo() -> None:
-        for layer in layers.values():
+        for _, layer in layers:
             forward = layer.__dict__.get("forward")
             # Left in place where something wrapped it since (a recomputation still installed): with the store no
             # longer recording, it defers nothing.
