@@ -50,8 +50,9 @@ from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.links import NeighbourLinks
 from pipecomm.runtime.offload_planner import OffloadPlanner, SavedBytesMeter
 from pipecomm.runtime.prepared_stages import PreparedStages
+from pipecomm.runtime.schedule_refit import ScheduleRefit
 from pipecomm.schedules.offload import OffloadPlan, check_plan
-from pipecomm.schedules.schedule import Schedule
+from pipecomm.schedules.schedule import Schedule, built_for_costs
 
 __all__ = ["Pipeline"]
 
@@ -80,7 +81,9 @@ class Pipeline:
     slowest rank's costs at 1f1b's activation memory (``pipe.planned_costs``). The plan's simulation
     knows no host time, so the plan and, for one stage per rank, 1f1b then run three steps each, and
     from the tenth step on ``pipe.schedule`` is whichever of the three ran its step fastest on the
-    slowest rank (``pipe.auto_step_times``: each one's name and median step seconds).
+    slowest rank (``pipe.auto_step_times``: each one's name and median step seconds). "zb-h2" and "zb-v"
+    by name time the first step's passes and from the second on run their order rebuilt for the slowest rank's
+    F, I and W (``pipe.planned_costs``; not with ``cuda_graphs=True``, which keeps the order built for equal costs).
     ``group`` is the pipeline's process group, ordered by stage (default: the whole world);
     ``data_group`` holds this stage's data-parallel replicas, whose gradients are averaged
     (``pipecomm.init`` makes both).
@@ -133,7 +136,8 @@ class Pipeline:
         self.calls = fail_fast.CallProtocol(self.rank, global_rank(group, self.rank), self.stages, self._abort)
         self._links = NeighbourLinks()
         self._prepared: PreparedStages | None = None
-        self.planned_costs: dict[str, float] | None = None  # schedule="auto": the F, I and W it plans for
+        # schedule="auto", "zb-h2" or "zb-v": the F, I and W it planned (or rebuilt the order) for
+        self.planned_costs: dict[str, float] | None = None
         self.auto_step_times: list[tuple[str, float]] | None = None  # schedule="auto": each schedule it tried
         with self.calls.failing("building the Pipeline"):
             check_configuration(modules, stages, num_stages, self.num_ranks, schedule)
@@ -147,7 +151,8 @@ class Pipeline:
             check_options(self.device, auto=auto, sharded=bool(sharded), cuda_graphs=cuda_graphs,
                           device_timing=device_timing, main_grad=main_grad, offload=offload)
             self._device_timing = device_timing
-            timed_on_device = device_timing or ((auto or offload is True) and self.device.type == "cuda")
+            refit = isinstance(schedule, str) and built_for_costs(schedule) and not cuda_graphs
+            timed_on_device = device_timing or ((auto or refit or offload is True) and self.device.type == "cuda")
             self._prepared = PreparedStages(
                 self.schedule, self.rank, self.modules, sharded, loss_fn, self._links.channels, main_grad=main_grad,
                 cuda_graphs=cuda_graphs, recompute=recompute,
@@ -163,6 +168,7 @@ class Pipeline:
             saved_bytes = SavedBytesMeter(self.device, stage_modules) if offload is True and auto else None
             self._planner = (AutoPlanner(self._collectives, self.num_ranks, micro_batches, self.schedule, saved_bytes)
                              if auto else None)
+            self._refit = ScheduleRefit(self._collectives, self.schedule) if refit else None
             self.offload_plan: OffloadPlan | None = None
             self._offload_planner = (OffloadPlanner(self._collectives, self.num_ranks, self.device, stage_modules)
                                      if offload is True and not auto else None)
@@ -198,11 +204,8 @@ class Pipeline:
             self._prepared.check_deferral()
             if self._planner:
                 self._after_auto_step()
-            elif measuring_offload:
-                self._use_offload_plan(self._offload_planner.after_step(self._executor))
-                self._offload_planner = None
-                if not self._device_timing:
-                    self._executor.device_timeline = None
+            elif self._refit or measuring_offload:
+                self._after_measured_step()
             self._gradients.finish_step()
             if self.num_ranks == 1:
                 return loss
@@ -211,6 +214,22 @@ class Pipeline:
     def _use_offload_plan(self, plan: OffloadPlan) -> None:
         self.offload_plan = plan
         self._prepared.set_offload(plan, self.device)
+
+    def _after_measured_step(self) -> None:
+        """The first step timed: a zb-h2 or zb-v rebuilt for the measured costs, and with offload=True the plan for
+        the schedule the next steps run; the device timeline kept only if the user asked for it."""
+        following = self._refit.after_step(self._executor) if self._refit else None
+        plan = self._offload_planner.after_step(self._executor, following or self.schedule) if self._offload_planner \
+            else None
+        if following is not None:
+            self.planned_costs = self._refit.costs
+            self.schedule = following
+            self._prepared.switch_schedule(following, self._device_timing)
+        if plan is not None:
+            self._use_offload_plan(plan)
+        if not self._device_timing:
+            self._executor.device_timeline = None
+        self._refit = self._offload_planner = None
 
     def _after_auto_step(self) -> None:
         """schedule="auto": the schedule it tries next, or settles on, from the next step on."""

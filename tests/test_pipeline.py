@@ -419,6 +419,18 @@ def test_a_schedule_that_does_not_fit_the_pipeline_is_refused():
                           schedule=forward_schedule(1, 4, (0, 0)))
 
 
+def step_like_one_process(pipe, stages, reference, mine: list[int], step: int) -> None:
+    """One step of ``batch(step)``: the loss and this rank's gradients as one process gives them; gradients cleared."""
+    x, mask, target = batch(step)
+    loss = pipe.step(x, mask, target=target)
+    torch.testing.assert_close(loss, reference_grads(reference, step), rtol=1e-5, atol=1e-6)
+    for stage in mine:
+        for param, ref_param in zip(stages[stage].parameters(), reference[stage].parameters()):
+            torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6)
+            param.grad = None
+            ref_param.grad = None
+
+
 def auto_schedule(rank: int, world_size: int, chunks: int, fastest: str | None, recompute: bool) -> tuple:
     """schedule="auto" at 2 ranks for 10 steps, each equal to one process: 3 measured on the starting schedule, 3 on
     the plan and 3 on 1f1b (those that differ from the ones before), then the fastest. With ``fastest``, that
@@ -437,14 +449,7 @@ def auto_schedule(rank: int, world_size: int, chunks: int, fastest: str | None, 
                              recompute=recompute)
     names = []
     for step in range(10):
-        x, mask, target = batch(step)
-        loss = pipe.step(x, mask, target=target)
-        torch.testing.assert_close(loss, reference_grads(reference, step), rtol=1e-5, atol=1e-6)
-        for stage in mine:
-            for param, ref_param in zip(stages[stage].parameters(), reference[stage].parameters()):
-                torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6)
-                param.grad = None
-                ref_param.grad = None
+        step_like_one_process(pipe, stages, reference, mine, step)
         names.append(pipe.schedule.name)
     costs = pipe.planned_costs
     tried = [name for name, _ in pipe.auto_step_times]
@@ -468,6 +473,40 @@ def test_auto_measures_plans_tries_and_keeps_the_fastest_exactly(tmp_path, chunk
             assert names[-1] == fastest and "1f1b" in names, names
     assert results[0] == results[1]  # every rank tried and kept the same schedules
     assert results[0][2] == ((0, 1) if chunks == 1 else (0, 1, 1, 0))
+
+
+def rebuilt_for_costs(rank: int, world_size: int, name: str) -> tuple:
+    """schedule=name for 4 steps, each equal to one process, with I timed at three times F and W: from the second
+    step on, the order list-scheduled for those costs."""
+    from pipecomm.runtime import schedule_refit
+
+    schedule_refit.CostMeter.costs = lambda meter: [1.0, 3.0, 1.0]
+    chunks = 2 if name == "zb-v" else 1
+    num_stages = world_size * chunks
+    torch.manual_seed(0)
+    stages = build_stages(num_stages)
+    reference = copy.deepcopy(stages)
+    mine = [rank] if chunks == 1 else [rank, 2 * world_size - 1 - rank]
+    pipe = pipecomm.Pipeline([stages[s] for s in mine], stage=mine, num_stages=num_stages, loss_fn=loss_fn,
+                             micro_batches=8, schedule=name, timeout=60)
+    orders = []
+    for step in range(4):
+        orders.append(pipe.schedule.actions)  # the order this step runs
+        step_like_one_process(pipe, stages, reference, mine, step)
+    costs = pipe.planned_costs
+    pipe.close()
+    return orders, costs
+
+
+@pytest.mark.parametrize("name", ["zb-v", "zb-h2"])
+def test_a_list_scheduled_schedule_is_rebuilt_for_the_measured_costs_exactly(tmp_path, name):
+    results = run_ranks(2, rebuilt_for_costs, tmp_path, name, timeout=120)
+    orders, costs = results[0]
+    assert costs == {"F": 1.0, "I": 3.0, "W": 1.0} and results[1] == results[0]
+    chunks = 2 if name == "zb-v" else 1
+    assert orders[0] == pipecomm.make_schedule(name, 2, 8, chunks).actions  # the first step: built for equal costs
+    rebuilt = pipecomm.make_schedule(name, 2, 8, chunks, costs=costs).actions
+    assert orders[1:] == [rebuilt] * 3 and rebuilt != orders[0]
 
 
 def test_auto_refuses_placements_it_cannot_plan():

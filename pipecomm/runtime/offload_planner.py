@@ -70,7 +70,8 @@ class OffloadPlanner:
         """The step to measure: every forward's saved activations counted, none copied."""
         self.meter.attach(executor)
 
-    def after_step(self, executor: StageExecutor) -> OffloadPlan:
+    def after_step(self, executor: StageExecutor, schedule: Schedule) -> OffloadPlan:
+        """The plan for ``schedule`` (the measured step's, or the one the next steps run) at the measured costs."""
         self.meter.detach(executor)
         durations: dict[tuple[str, int], list[float]] = {}
         for start, end, action in step_trace.compute_spans(executor):
@@ -82,7 +83,7 @@ class OffloadPlanner:
         costs = dict(zip(("F", "B", "I", "W"), measured[:4]))
         if costs["B"] == 0.0:  # a split backward: its B is its I and W
             costs["B"] = costs["I"] + costs["W"]
-        return offload_plan_for(executor.schedule, costs, measured[4:])
+        return offload_plan_for(schedule, costs, measured[4:])
 
 
 def offload_plan_for(schedule: Schedule, costs: Mapping[str, float], copy_times: list[float]) -> OffloadPlan:

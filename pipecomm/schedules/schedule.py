@@ -17,6 +17,7 @@ __all__ = [
     "Action",
     "Kind",
     "Schedule",
+    "built_for_costs",
     "forward_schedule",
     "make_schedule",
 ]
@@ -29,7 +30,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
 # Schedules that run a steady state need every rank to have finished its warm-up before the first
 # backward reaches it (MindFormers' micro_batch_num >= stages).
 _NEEDS_MICRO_BATCHES_PER_RANK = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
-# Built by list scheduling (pipecomm.schedules.list_scheduling) at unit costs: (placement, peak activations in 1f1b's units).
+# Built by list scheduling (pipecomm.schedules.list_scheduling) for F, I and W (unit costs unless given): (placement,
+# peak activations in 1f1b's units).
 _LIST_SCHEDULED = {
     "zb-h2": (lambda num_ranks: looped_placement(num_ranks, num_ranks), 2.0),
     "zb-v": (lambda num_ranks: v_placement(num_ranks), 1.0),
@@ -156,6 +158,11 @@ def make_schedule(name: str, num_ranks: int, micro_batches: int, virtual_stages:
                           for rank in range(num_ranks)]
     actions = tuple(with_communication(order, num_stages) for order in compute_orders)
     return Schedule(name, num_ranks, num_stages, micro_batches, actions, placement)
+
+
+def built_for_costs(name: str) -> bool:
+    """Whether ``make_schedule(name, ..., costs=)`` orders the passes for the costs given (zb-h2 and zb-v)."""
+    return name in _LIST_SCHEDULED
 
 
 def _list_scheduled_orders(name: str, placement: tuple[int, ...], micro_batches: int, pass_costs: Mapping[str, float],
