@@ -447,6 +447,54 @@ def test_ipc_empty_cache_keeps_posted_segments_until_the_peer_unmapped_them(tmp_
     assert run_ranks(2, ipc_posted_memory_across_empty_cache, tmp_path, timeout=60) == [[True, True, True]] * 2
 
 
+def receive_ahead(rank: int, world_size: int, change_layout_at: int | None) -> tuple:
+    """Rank 1 receives 20 messages of one layout under one layout key, rank 0 sending each once rank 1's receive of
+    the one before returned, and from the twelfth on only once rank 1's receive of that very message returned (a
+    receive that waited for the peer's note would wait forever). With ``change_layout_at``, that message comes
+    with another layout."""
+    os.environ["PIPECOMM_RUN_AHEAD"] = "1"  # read by the channel as it opens (the rank server's environment is older)
+    device = rank_device(rank, "cuda")
+    store = dist.distributed_c10d._get_default_store()
+    channel = transport.connect(1 - rank, backend="ipc", device=device, timeout=30)
+    try:
+        if rank == 0:
+            try:
+                for seq in range(20):
+                    if seq > 0:
+                        store.wait([f"returned/{seq if seq >= 12 else seq - 1}"])
+                    shape = (3, 1000) if seq == change_layout_at else (1000, 3)
+                    channel.send([torch.full(shape, float(seq), device=device), None])
+            except transport.ChannelError:  # the receiver closed on refusing the changed layout
+                return ("stopped",)
+            return ("sent",)
+        received = []
+        for seq in range(20):
+            received.append(channel.recv(layout_key=7))
+            store.set(f"returned/{seq}", "1")
+        try:
+            channel.settle()
+        except transport.ProtocolError as error:
+            return ("refused", str(error))
+        exact = all(message[1] is None and torch.equal(message[0], torch.full((1000, 3), float(seq), device=device))
+                    for seq, message in enumerate(received))
+        return exact, channel.received_ahead
+    finally:
+        channel.close()
+
+
+@needs_cuda
+def test_ipc_receives_a_known_layout_ahead_of_the_peer(tmp_path):
+    # The host goes on (launching what needs the data) while the GPU waits for it.
+    exact, ahead = run_ranks(2, receive_ahead, tmp_path, None, timeout=60)[1]
+    assert exact and ahead >= 8
+
+
+@needs_cuda
+def test_ipc_a_layout_received_ahead_that_the_peer_changed_is_refused(tmp_path):
+    outcome = run_ranks(2, receive_ahead, tmp_path, 15, timeout=60)[1]
+    assert outcome[0] == "refused" and "message 15 was received ahead of its note" in outcome[1], outcome
+
+
 def timeout_then_close(rank: int, world_size: int, backend: str, kind: str) -> str:
     with transport.connect(1 - rank, backend=backend, device=rank_device(rank, kind), timeout=0.5) as channel:
         if rank == 1:

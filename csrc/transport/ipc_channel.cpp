@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -17,6 +18,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "../op_checks.h"
@@ -57,6 +59,16 @@ bool on_caller_stream(size_t bytes) { return bytes <= kCallerStreamMaxBytes; }
 // Room for two posts per message ahead (one more after a layout change) and a few stale ones; more
 // than the cap are dropped, which only sends those messages by slot.
 uint32_t post_ring_slots(uint32_t num_slots) { return std::min<uint32_t>(num_slots, 1024) * 2 + 10; }
+
+// Layout keys remembered per channel: a run with ever new shapes (a sequence length per step) keeps only the latest.
+constexpr size_t kMaxLayoutKeys = 64;
+
+// PIPECOMM_RUN_AHEAD=1 turns receiving ahead of the peer's note on (recv's layout key is ignored otherwise).
+// Off by default until measured on GPUs in its final form (bench/README.md, "Receiving ahead").
+bool run_ahead_enabled() {
+  const char* value = std::getenv("PIPECOMM_RUN_AHEAD");
+  return value != nullptr && std::string(value) == "1";
+}
 
 // How long each half of the close handshake waits for the peer: both are short, so close() stays quick.
 constexpr auto kClosePatience = std::chrono::milliseconds(100);
@@ -153,7 +165,10 @@ class IpcChannel {
     host_receiver_.wait_connected();
     post_sender_.wait_connected();
     post_receiver_.wait_connected();
-    membership_.emplace(ControlPlane::process(), call_mutex_, [this] { inbox_.poll(grow_answer_); });
+    membership_.emplace(ControlPlane::process(), call_mutex_, [this] {
+      inbox_.poll(grow_answer_);
+      settle_arrived();  // the peer may be waiting for those releases to send what this process waits for
+    });
   }
 
   void send(const py::sequence& entries) {
@@ -162,6 +177,7 @@ class IpcChannel {
     OutgoingMessage message = outgoing_message(entries);
     py::gil_scoped_release no_gil;
     const std::lock_guard<std::recursive_mutex> call(call_mutex_);
+    settle_arrived();
     send_clock_.lap(kSendEntries);
     const c10::cuda::CUDAGuard guard(device_);
     const std::optional<PostRecord> post = mappable_post(message);
@@ -184,22 +200,35 @@ class IpcChannel {
     append_note(outgoing_notes_, data);
   }
 
-  py::tuple recv() {
+  // With a layout key (Channel.recv's), a message whose key came before with the layout this end posts for
+  // returns at once, the caller's stream waiting on the device for its data, and its note is checked later
+  // (settle_ahead): the host runs ahead of the peer's.
+  py::tuple recv(std::optional<int64_t> layout_key) {
     recv_clock_.start();
     Entries incoming;
     {
       py::gil_scoped_release no_gil;
       const std::lock_guard<std::recursive_mutex> call(call_mutex_);
-      incoming = receive_message();
+      incoming = layout_key && run_ahead_ ? receive_keyed(*layout_key) : receive_in_order();
     }
     py::tuple out = to_python(incoming);
     recv_clock_.lap(kRecvToPython);
     return out;
   }
 
+  // Checks every message received ahead against its note; raises ProtocolError for one the peer sent otherwise.
+  void settle() {
+    const std::lock_guard<std::recursive_mutex> call(call_mutex_);
+    settle_ahead();
+  }
+
   // The oldest note not taken yet of those that came with the messages received; None if there is none.
   py::object recv_note() {
     const std::lock_guard<std::recursive_mutex> call(call_mutex_);
+    {
+      py::gil_scoped_release no_gil;
+      settle_ahead();  // the notes of messages received ahead come with their checks
+    }
     if (notes_.empty()) return py::none();
     py::bytes note(notes_.front());
     notes_.pop_front();
@@ -213,6 +242,7 @@ class IpcChannel {
   // slots are no bigger than slot_bytes, nor while the post ring is full (the peer is not sending).
   bool shrink(size_t slot_bytes) {
     const std::lock_guard<std::recursive_mutex> call(call_mutex_);
+    settle_ahead();  // its first message counts from those received in order
     if (round_slot_bytes(slot_bytes, receive_direction_) >= receiver_.slot_bytes() || !post_sender_.can_send_now()) {
       return false;
     }
@@ -243,6 +273,15 @@ class IpcChannel {
   void close(const std::string& reason) noexcept {
     const std::lock_guard<std::mutex> closing(closing_);
     const std::lock_guard<std::recursive_mutex> call(call_mutex_);
+    if (reason.empty()) {
+      try {
+        settle_ahead();  // the close handshake reads the host ring after those notes
+      } catch (const std::exception&) {
+        // Closing all the same: the caller that received ahead learns of it from its own settle.
+      }
+    }
+    // Data that will not come now (an abort, a refused message): the caller's streams must not wait forever.
+    if (!ahead_.empty()) receiver_.release_own_waits(ahead_.front().seq);
     membership_.reset();  // a closing channel answers no more requests
     const bool unmapped = sender_ && sender_->unmap_when_done(kClosePatience);
     const CloseOutcome outcome = exchange_close_notes(host_sender_, inbox_, unmapped, kClosePatience);
@@ -266,6 +305,7 @@ class IpcChannel {
 
   uint64_t direct_sends() const { return direct_sends_; }
   uint64_t direct_recvs() const { return direct_recvs_; }
+  uint64_t ahead_recvs() const { return ahead_recvs_; }
 
  private:
   c10::cuda::CUDAStream caller_stream() const { return at::cuda::getCurrentCUDAStream(device_.index()); }
@@ -414,6 +454,103 @@ class IpcChannel {
 
   // ---- The receive's steps.
 
+  Entries receive_in_order() {
+    settle_ahead();
+    return receive_message();
+  }
+
+  // The key's layout, learned from the last message received in order with it: if it is the one this end
+  // posts for and the post for this message reached the peer before it decided how to send it, the message
+  // goes into that post unless its layout differs, which settle_ahead then reports.
+  Entries receive_keyed(int64_t key) {
+    settle_arrived();
+    const auto learned = learned_layouts_.find(key);
+    if (learned != learned_layouts_.end() && learned->second == received_->fingerprint && direct_recvs_ > 0) {
+      if (const PostedBuffer* post = posted_.find_before_decision(recv_seq_, received_->fingerprint)) {
+        return receive_ahead(*post);
+      }
+    }
+    Entries incoming = receive_in_order();
+    if (learned_layouts_.size() >= kMaxLayoutKeys) learned_layouts_.clear();
+    learned_layouts_[key] = received_->fingerprint;
+    return incoming;
+  }
+
+  Entries receive_ahead(const PostedBuffer& post) {
+    const c10::cuda::CUDAGuard guard(device_);
+    const c10::cuda::CUDAStream caller = caller_stream();
+    receiver_.enqueue_receive_direct(recv_seq_, caller.stream());
+    if (caller.stream() != post.stream) {
+      c10::cuda::CUDACachingAllocator::recordStream(post.buffer.storage().data_ptr(), caller);
+    }
+    Entries incoming = views_of(post.buffer, *received_);
+    ahead_.push_back({recv_seq_, post.post, caller.stream()});
+    ++direct_recvs_;
+    ++ahead_recvs_;
+    ++recv_seq_;
+    posted_.post_ahead(recv_seq_, received_, caller.stream(), receiver_, post_sender_, first_decided_after_posting());
+    return incoming;
+  }
+
+  // The notes of the messages received ahead, each checked: it went into the post the receive read.
+  void settle_ahead() {
+    if (!mispredicted_.empty()) throw ProtocolError(mispredicted_);
+    while (!ahead_.empty()) check_ahead(wait_for_host_message());
+  }
+
+  // Those whose notes are in, without waiting: each checked and its host message released, as soon as can be,
+  // for the peer's sends are held back by what is not. A message sent otherwise is raised by the next settle.
+  void settle_arrived() {
+    // Not from inside this channel's own wait for a host message (its pauses service the control plane, this
+    // channel included): that wait hands out the next message itself.
+    if (ahead_.empty() || !mispredicted_.empty() || waiting_for_message_) return;
+    inbox_.poll(grow_answer_);
+    try {
+      while (!ahead_.empty()) {
+        const std::optional<Message> message = inbox_.next_message();
+        if (!message) return;
+        check_ahead(*message);
+      }
+    } catch (const std::exception& error) {
+      if (mispredicted_.empty()) mispredicted_ = error.what();  // raised by the next settle
+      receiver_.release_own_waits(ahead_.front().seq);
+    }
+  }
+
+  // The note of the oldest message received ahead: it must say the data went into the post the receive read.
+  void check_ahead(const Message& message) {
+    const ReceivedAhead ahead = ahead_.front();
+    const bool direct = message.tag == kTagDataDirect;
+    const DataNote note = message.tag == kTagMeta ? DataNote{} : data_note_of(message);
+    if (!direct || note.post != ahead.post) {
+      mispredicted_ = receive_direction_ + ": message " + std::to_string(ahead.seq) +
+                      " was received ahead of its note, as the layout its key had before, but the peer sent " +
+                      (message.tag == kTagMeta ? "another layout" : "it elsewhere") +
+                      ": what the caller's stream read is not that message. The layout key must name the "
+                      "message's layout (unset PIPECOMM_RUN_AHEAD to receive in order)";
+      receiver_.release_own_waits(ahead.seq);
+      throw ProtocolError(mispredicted_);
+    }
+    keep_notes_after(message);
+    known_data_seq_ = static_cast<int64_t>(ahead.seq);
+    known_host_seq_ = static_cast<int64_t>(message.seq);
+    peer_posts_.learn_passed(note.posts_passed, ahead.stream);
+    posted_.drop_through(ahead.seq);
+    inbox_.release(message.seq);
+    ahead_.pop_front();
+  }
+
+  // The first message that a post made now reaches the peer before it decides how to send: it decides on data
+  // message n right after its host ring took its previous message, at least n - 1 - known_data_seq_ host
+  // messages after known_host_seq_, which needs a release this end has not made while that is
+  // released() + num_slots or more.
+  uint64_t first_decided_after_posting() const {
+    if (known_data_seq_ < 0) return UINT64_MAX;
+    const int64_t first = static_cast<int64_t>(inbox_.released()) + known_data_seq_ - known_host_seq_ + 1 +
+                          static_cast<int64_t>(receiver_.num_slots());
+    return static_cast<uint64_t>(std::max<int64_t>(first, 0));
+  }
+
   Entries receive_message() {
     const bool posted_early = post_early();
     recv_clock_.lap(kRecvEarlyPosts);
@@ -423,10 +560,14 @@ class IpcChannel {
     if (layout_changed) message = adopt_layout(message);
     const DataNote note = data_note_of(message);
     keep_notes_after(message);
+    known_data_seq_ = static_cast<int64_t>(recv_seq_);
+    known_host_seq_ = static_cast<int64_t>(message.seq);
     const c10::cuda::CUDAGuard guard(device_);
     const c10::cuda::CUDAStream caller = caller_stream();
     // Posted ahead of this message's wait, the posts' counter writes stay off the stream's critical path.
-    if (!layout_changed && !posted_early) posted_.post_ahead(recv_seq_ + 1, received_, caller, receiver_, post_sender_);
+    if (!layout_changed && !posted_early) {
+      posted_.post_ahead(recv_seq_ + 1, received_, caller, receiver_, post_sender_, first_decided_after_posting());
+    }
     last_layout_repeated_ = !layout_changed;
     recv_clock_.lap(kRecvLatePosts);
     Entries incoming = message.tag == kTagDataDirect ? receive_direct(note.post, caller) : receive_by_slot(caller);
@@ -443,7 +584,8 @@ class IpcChannel {
   bool post_early() {
     if (!last_layout_repeated_) return false;
     const c10::cuda::CUDAGuard guard(device_);
-    posted_.post_ahead(recv_seq_ + 1, received_, caller_stream(), receiver_, post_sender_);
+    posted_.post_ahead(recv_seq_ + 1, received_, caller_stream(), receiver_, post_sender_,
+                       first_decided_after_posting());
     return true;
   }
 
@@ -451,7 +593,16 @@ class IpcChannel {
   // slot-path message may need comes before it, and a peer waiting for this process's answer on
   // another channel gets it too.
   Message wait_for_host_message() {
-    return inbox_.wait_for_message(grow_answer_, ControlPlane::process(), timeout_s_, interrupted_);
+    const bool outer = waiting_for_message_;
+    waiting_for_message_ = true;
+    try {
+      Message message = inbox_.wait_for_message(grow_answer_, ControlPlane::process(), timeout_s_, interrupted_);
+      waiting_for_message_ = outer;
+      return message;
+    } catch (...) {
+      waiting_for_message_ = outer;
+      throw;
+    }
   }
 
   // A metadata message: the layout of this message and the next ones. Returns the data note after it.
@@ -583,8 +734,23 @@ class IpcChannel {
   std::string failed_send_;  // why a send failed after its note went out; empty while none did
   bool host_send_waited_ = false;
   bool last_layout_repeated_ = false;  // the last message received came without a new layout
+  // Received ahead of their notes, in order: the message, the post it was read from, the stream that waited.
+  struct ReceivedAhead {
+    uint64_t seq;
+    uint64_t post;
+    cudaStream_t stream;
+  };
+  std::deque<ReceivedAhead> ahead_;
+  std::unordered_map<int64_t, uint64_t> learned_layouts_;  // layout key -> the fingerprint it came with
+  const bool run_ahead_ = run_ahead_enabled();
+  std::string mispredicted_;  // why a message received ahead was not the one read; every call raises it since
+  bool waiting_for_message_ = false;  // inside wait_for_host_message
+  // The last data message whose note this end read: its number and the host ring message that carried it.
+  int64_t known_data_seq_ = -1;
+  int64_t known_host_seq_ = -1;
   uint64_t direct_sends_ = 0;
   uint64_t direct_recvs_ = 0;
+  uint64_t ahead_recvs_ = 0;
   enum SendPhase : size_t { kSendEntries, kSendPosts, kSendNote, kSendCopy, kSendRest };
   enum RecvPhase : size_t { kRecvEarlyPosts, kRecvNoteWait, kRecvLatePosts, kRecvEnqueue, kRecvRelease, kRecvToPython };
   PhaseClock<5> send_clock_{{"entries", "posts", "note", "copy", "rest"}};
@@ -601,7 +767,8 @@ void register_ipc_channel(py::module_& module) {
       .def("handles", &IpcChannel::handles)
       .def("connect", &IpcChannel::connect, py::arg("peer_handles"), py::call_guard<py::gil_scoped_release>())
       .def("send", &IpcChannel::send, py::arg("entries"))
-      .def("recv", &IpcChannel::recv)
+      .def("recv", &IpcChannel::recv, py::arg("layout_key") = std::nullopt)
+      .def("settle", &IpcChannel::settle, py::call_guard<py::gil_scoped_release>())
       .def("send_note", &IpcChannel::send_note, py::arg("data"), py::call_guard<py::gil_scoped_release>())
       .def("recv_note", &IpcChannel::recv_note)
       .def("shrink", &IpcChannel::shrink, py::arg("slot_bytes"), py::call_guard<py::gil_scoped_release>())
@@ -611,7 +778,8 @@ void register_ipc_channel(py::module_& module) {
       .def("interrupt", &IpcChannel::interrupt)
       .def("close", &IpcChannel::close, py::arg("reason") = "", py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("direct_sends", &IpcChannel::direct_sends)
-      .def_property_readonly("direct_recvs", &IpcChannel::direct_recvs);
+      .def_property_readonly("direct_recvs", &IpcChannel::direct_recvs)
+      .def_property_readonly("ahead_recvs", &IpcChannel::ahead_recvs);
 }
 
 }  // namespace pipecomm::transport

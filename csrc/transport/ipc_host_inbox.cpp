@@ -68,6 +68,7 @@ void HostInbox::check_wait(const ServicingWait& wait, const std::atomic<bool>& i
 void HostInbox::release(uint64_t seq) {
   while (!entries_.empty() && entries_.front().message.seq <= seq) {
     ring_.release(entries_.front().message.seq);
+    released_ = entries_.front().message.seq + 1;
     entries_.pop_front();
   }
   release_done_control();
@@ -100,6 +101,7 @@ void HostInbox::answer_requests(const GrowAnswer& answer) {
 void HostInbox::release_done_control() {
   while (!entries_.empty() && entries_.front().is_control && entries_.front().done) {
     ring_.release(entries_.front().message.seq);
+    released_ = entries_.front().message.seq + 1;
     entries_.pop_front();
   }
 }

@@ -42,6 +42,8 @@ class HostInbox {
                            const std::atomic<bool>& interrupted);
   // Hands message seq's slot back to the peer, with those of the control messages before it.
   void release(uint64_t seq);
+  // How many of the ring's messages were handed back so far (they go back in ring order).
+  uint64_t released() const { return released_; }
 
   // The ring's error that ended the reading, once all messages before it were handed out; else null.
   std::exception_ptr failure() const { return pending_messages() == 0 ? failure_ : nullptr; }
@@ -69,6 +71,7 @@ class HostInbox {
   std::deque<Entry> entries_;  // taken from the ring and not yet released, in ring order
   std::exception_ptr failure_;
   bool peer_unmapped_ = false;
+  uint64_t released_ = 0;
 };
 
 }  // namespace pipecomm::transport

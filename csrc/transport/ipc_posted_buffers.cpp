@@ -45,7 +45,7 @@ Entries views_of(const at::Tensor& buffer, const Layout& layout) {
 }
 
 void PostedBuffers::post_ahead(uint64_t first_seq, const std::shared_ptr<const Layout>& layout, cudaStream_t caller,
-                               IpcRingReceiver& receiver, ShmRingSender& post_ring) {
+                               IpcRingReceiver& receiver, ShmRingSender& post_ring, uint64_t decided_after) {
   if (!enabled_ || layout->offsets.back() == 0) return;
   const int64_t bytes = layout->offsets.back();
   const uint64_t digest = layout->fingerprint;
@@ -87,7 +87,7 @@ void PostedBuffers::post_ahead(uint64_t first_seq, const std::shared_ptr<const L
       enabled_ = false;  // the peer closed: it sends nothing more
       return;
     }
-    posts_.push_back({seq, record.post, layout, std::move(buffer), caller});
+    posts_.push_back({seq, record.post, layout, std::move(buffer), caller, seq >= decided_after});
     unposted_seq_ = seq + 1;
   }
 }
@@ -95,6 +95,13 @@ void PostedBuffers::post_ahead(uint64_t first_seq, const std::shared_ptr<const L
 const PostedBuffer* PostedBuffers::find(uint64_t seq, uint64_t post) const {
   for (const PostedBuffer& posted : posts_) {
     if (posted.seq == seq && posted.post == post) return &posted;
+  }
+  return nullptr;
+}
+
+const PostedBuffer* PostedBuffers::find_before_decision(uint64_t seq, uint64_t fingerprint) const {
+  for (const PostedBuffer& posted : posts_) {
+    if (posted.seq == seq && posted.before_decision && posted.layout->fingerprint == fingerprint) return &posted;
   }
   return nullptr;
 }

@@ -42,6 +42,9 @@ struct PostedBuffer {
   std::shared_ptr<const Layout> layout;
   at::Tensor buffer;    // uint8, layout->offsets.back() bytes
   cudaStream_t stream;  // it was allocated on
+  // Posted before the peer could decide how to send message seq: if the layout is the peer's, the data goes
+  // into this buffer for sure (a receive may then run ahead of the peer's note).
+  bool before_decision;
 };
 
 // The message's tensors as views of a posted buffer at their packed offsets.
@@ -58,10 +61,13 @@ class PostedBuffers {
   // and on `post_ring`. Allocated on `caller`, so they are free for the peer's copies once that stream
   // reaches the posted counter. Optional work: whatever stops it (no room on the post ring, no
   // memory) leaves those messages to the slot path.
+  // The posts for messages from `decided_after` on reach the peer before it decides how to send them.
   void post_ahead(uint64_t first_seq, const std::shared_ptr<const Layout>& layout, cudaStream_t caller,
-                  IpcRingReceiver& receiver, ShmRingSender& post_ring);
+                  IpcRingReceiver& receiver, ShmRingSender& post_ring, uint64_t decided_after);
 
   const PostedBuffer* find(uint64_t seq, uint64_t post) const;
+  // The post for message seq of the layout `fingerprint` that the peer is sure to have had when it decided.
+  const PostedBuffer* find_before_decision(uint64_t seq, uint64_t fingerprint) const;
 
   // Message seq was received: the other posts for it and earlier ones were passed over (the sender
   // never writes them).

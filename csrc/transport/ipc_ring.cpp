@@ -525,6 +525,24 @@ void IpcRingReceiver::enqueue_receive_plan(const ipc::ReceivePlan& plan) {
   if (protocol_.generations().size() > 1) give_back_unreachable();
 }
 
+void IpcRingReceiver::release_own_waits(uint64_t seq) noexcept {
+  try {
+    const DriverApi& api = driver_api(error_prefix_);
+    DeviceGuard guard(device_, error_prefix_);
+    cudaStream_t stream = nullptr;
+    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return;
+    for (; seq < protocol_.next_seq(); ++seq) {
+      const ipc::SlotPosition position = ipc::slot_position(seq, protocol_.num_slots());
+      const ipc::CounterValue ready{protocol_.flags().ready(position.slot), position.round, "ready"};
+      (void)api.write_value32(stream, device_address(counter_address(flags_, ready)), ready.value,
+                              CU_STREAM_WRITE_VALUE_DEFAULT);
+    }
+    (void)cudaStreamDestroy(stream);  // its writes still run
+  } catch (const std::exception&) {
+    // No driver entry point: nothing can be written; the waits stay, as for a peer that died.
+  }
+}
+
 bool IpcRingReceiver::export_pointer(const void* pointer, cudaIpcMemHandle_t* handle, size_t* offset) {
   const DriverApi& api = driver_api(error_prefix_);
   if (api.pointer_get_attributes == nullptr || pointer == nullptr) return false;

@@ -90,6 +90,12 @@ class IpcRingReceiver {
   // ready[slot] >= round (no copy, no acknowledgement). seq must be exactly the next one.
   void enqueue_receive_direct(uint64_t seq, cudaStream_t stream);
 
+  // For the messages from seq up to next_seq() whose receives were enqueued ahead of data that will not
+  // come (the peer sent them otherwise): writes their ready flags from this end, on a stream of its own, so
+  // that the streams waiting on them go on (reading what is there) instead of never completing. The ring
+  // carries no message afterwards.
+  void release_own_waits(uint64_t seq) noexcept;
+
   // Skip synchronization and freeing in the destructor (leaks the device memory, the allocator's
   // generations included). For a process whose peer died while streams still wait on its flags, and
   // for one whose peer may still have this end's memory mapped: freeing exported memory before the

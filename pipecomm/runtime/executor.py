@@ -118,6 +118,7 @@ class StageExecutor:
             self.timeline.append((started, time.perf_counter(), action))
         if device:
             device.end_step()
+        self._settle_gradients()
         return self._loss
 
     def infer(self, inputs: list[tuple[tuple, dict]] | None) -> list | None:
@@ -163,6 +164,7 @@ class StageExecutor:
             self.offloader.start()
         self._loss: torch.Tensor | None = None
         self._backwards_done: dict[int, int] = dict.fromkeys(self.stages, 0)
+        self._gradient_layouts: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> its gradient's layout key
 
     # -- compute -------------------------------------------------------------------------------
 
@@ -216,8 +218,14 @@ class StageExecutor:
 
     def _send_forward(self, stage: int, micro_batch: int) -> None:
         runner = self.stages[stage]
-        self._transfer("send", "act", stage + 1, stage, micro_batch, runner.record(micro_batch).outputs,
-                       self.schedule.micro_batches, self._batch_size)
+        outputs = runner.record(micro_batch).outputs
+        self._transfer("send", "act", stage + 1, stage, micro_batch, outputs, self.schedule.micro_batches,
+                       self._batch_size)
+        # The gradient that comes back has one entry per tensor sent, of its shape and dtype where it required grad:
+        # the same tensors sent, the same gradient layout (but for gradients that autograd leaves None, which
+        # the channel's check of a layout received ahead then reports).
+        self._gradient_layouts[(stage, micro_batch)] = hash(
+            (stage, tuple((tensor.shape, tensor.dtype, tensor.requires_grad) for tensor in outputs.tensors)))
         runner.outputs_sent(micro_batch)
 
     def _send_inferred(self, stage: int, micro_batch: int) -> None:
@@ -234,10 +242,23 @@ class StageExecutor:
         self._transfer("send", "grad", stage - 1, stage, micro_batch, grads)
 
     def _recv_backward(self, stage: int, micro_batch: int) -> None:
-        grads = self._transfer("recv", "grad", stage + 1, stage, micro_batch)
+        # With the layout key, a CUDA IPC channel returns before the peer's host gets there: the GPU waits instead.
+        grads = self._transfer("recv", "grad", stage + 1, stage, micro_batch,
+                               layout_key=self._gradient_layouts.pop((stage, micro_batch), None))
         self.stages[stage].record(micro_batch).output_grads = grads
 
-    def _transfer(self, direction: str, kind: str, peer_stage: int, stage: int, micro_batch: int, *message):
+    def _settle_gradients(self) -> None:
+        """Before the step's gradients are used: every gradient received ahead of its note checked against it."""
+        for (peer, kind), channel in self.channels.items():
+            if kind == "grad":
+                try:
+                    channel.settle()
+                except (ChannelError, TimeoutError) as error:
+                    raise type(error)(f"pipeline rank {self.rank}, at the step's end, checking the gradients received "
+                                      f"from rank {peer}: {error}") from error
+
+    def _transfer(self, direction: str, kind: str, peer_stage: int, stage: int, micro_batch: int, *message,
+                  layout_key: int | None = None):
         """A send (of ``message``) or receive on the activation (StructureChannel) or gradient channel to a peer stage."""
         channel = self.channels[(self.schedule.stage_rank(peer_stage), kind)]
         with naming_transfer(self.rank, stage, micro_batch, direction, "activation" if kind == "act" else "gradient",
@@ -245,7 +266,7 @@ class StageExecutor:
             if direction == "send":
                 channel.send(*message)
                 return None
-            return channel.recv()
+            return channel.recv() if layout_key is None else channel.recv(layout_key=layout_key)
 
 
 @contextlib.contextmanager

@@ -85,16 +85,34 @@ class Channel(abc.ABC):
         finally:
             self._leave()
 
-    def recv(self, out: Sequence[torch.Tensor | None] | None = None) -> tuple[torch.Tensor | None, ...]:
-        """Receives the next message; into ``out`` if given, which must match it exactly."""
+    def recv(self, out: Sequence[torch.Tensor | None] | None = None, *,
+             layout_key: int | None = None) -> tuple[torch.Tensor | None, ...]:
+        """Receives the next message; into ``out`` if given, which must match it exactly.
+
+        ``layout_key`` says the message has the layout (entries, shapes, dtypes) of the last message received with
+        the same key. Over CUDA IPC with PIPECOMM_RUN_AHEAD=1 the receive may then return before the peer's note,
+        the caller's stream waiting on the device for the data, and the note is checked at the next receive in
+        order, ``recv_note``, ``shrink``, ``settle`` or ``close``: a message the peer sent otherwise raises
+        ProtocolError there, and the stream will have read something else, so the key must be one the caller can
+        vouch for. Ignored elsewhere.
+        """
         self._enter("recv")
         try:
             if self._pending_recvs:
                 self._receive_through(self._pending_recvs[-1])
-            message = self._recv()
+            message = self._recv() if layout_key is None else self._recv_keyed(layout_key)
         finally:
             self._leave()
         return message if out is None else self._fill(out, message)
+
+    def settle(self) -> None:
+        """Returns once every message received ahead of its note (``recv``'s ``layout_key``) has been checked
+        against it; raises ProtocolError for one the peer sent otherwise."""
+        self._enter("settle")
+        try:
+            self._settle()
+        finally:
+            self._leave()
 
     def send_note(self, data: bytes) -> None:
         """Sends ``data`` on the host with this end's next message, for the peer's ``recv_note`` once it has received
@@ -281,6 +299,13 @@ class Channel(abc.ABC):
     @abc.abstractmethod
     def _recv(self) -> tuple:
         """Receives the next message."""
+
+    def _recv_keyed(self, layout_key: int) -> tuple:
+        """Receives the next message, whose layout ``layout_key`` names (see ``recv``)."""
+        return self._recv()
+
+    def _settle(self) -> None:
+        """Checks the messages received ahead of their notes."""
 
     @abc.abstractmethod
     def _send_note(self, data: bytes) -> None:

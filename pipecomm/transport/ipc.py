@@ -30,7 +30,8 @@ class IpcChannel(NativeChannel):
     after a wait until the peer has consumed it, and the receive copies out. Flags written and waited
     on by the streams order everything; the host never waits on the GPU. A shrink takes effect after
     the next num_slots messages (the peer may already be sending those into the old slots), and the
-    old memory then goes back to torch's caching allocator.
+    old memory then goes back to torch's caching allocator. A receive given a ``layout_key`` whose layout
+    is the one posted for returns before the peer's note arrives (``Channel.recv``).
     """
 
     backend = "ipc"
@@ -51,10 +52,21 @@ class IpcChannel(NativeChannel):
         """How many messages went straight into posted buffers: (sent, received)."""
         return self._native.direct_sends, self._native.direct_recvs
 
+    @property
+    def received_ahead(self) -> int:
+        """How many receives returned before the peer's note (``Channel.recv``'s ``layout_key``)."""
+        return self._native.ahead_recvs
+
     def host_phase_times(self) -> dict[str, list[tuple[str, float, int]]]:
         """With PIPECOMM_IPC_HOST_TIMING=1 set before connect: for send and for recv, each phase's name,
         total host microseconds and calls (Python's own share is not in them). Empty lists otherwise."""
         return self._native.host_phase_times()
+
+    def _recv_keyed(self, layout_key):
+        return self._native.recv(layout_key)
+
+    def _settle(self):
+        self._native.settle()
 
     def _close(self):
         if not self._release_native("", self.timeout):

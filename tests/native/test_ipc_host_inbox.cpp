@@ -71,6 +71,7 @@ void test_answers_grow_requests_behind_unreceived_messages() {
   receive(ring.inbox, kTagData, 3);
   CHECK(!ring.inbox.next_message());
   CHECK(ring.receiver.released_count() == 4);
+  CHECK(ring.inbox.released() == 4);  // the answered request among them, in ring order
   ring.inbox.poll(answer);
   CHECK(answered.size() == 1);  // answered once only
 }
@@ -91,6 +92,7 @@ void test_a_request_that_cannot_be_answered_now_is_asked_again_first() {
   ring.inbox.poll(answer);
   CHECK((asked == std::vector<uint64_t>{1, 1, 2}));
   CHECK(ring.receiver.released_count() == 2);
+  CHECK(ring.inbox.released() == 2);  // control messages go back by themselves once answered
 }
 
 // A ring of one slot holds nothing else while its grow request waits: the answered request must go
