@@ -13,8 +13,9 @@ missing=()
 # transformers: the real-model tests build Hugging Face models from configs (no weights are downloaded);
 # pinned, since its models' code is what the capture tests exercise.
 # numba: the schedule simulator's and planner's inner loops (pipecomm/fast_simulation.py).
-for module_and_package in wheel:wheel numpy:numpy numba:numba pytest:pytest pytest_benchmark:pytest-benchmark \
-    transformers:transformers==5.24.0; do
+# tqdm: the demo's progress bar (examples/demo.py).
+for module_and_package in wheel:wheel numpy:numpy numba:numba tqdm:tqdm pytest:pytest \
+    pytest_benchmark:pytest-benchmark transformers:transformers==5.24.0; do
   "$python" -c "import ${module_and_package%%:*}" 2>/dev/null || missing+=("${module_and_package#*:}")
 done
 command -v ninja >/dev/null || missing+=(ninja)

@@ -1,7 +1,8 @@
-"""The training examples run end to end under torchrun on CPU processes."""
+"""The training examples run end to end under torchrun on CPU processes, and the demo as `make demo` runs it."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -27,3 +28,19 @@ def test_train_hf_trains_with_a_schedule(schedule):
     assert summary and summary.group(1) == schedule, result.stdout
     if schedule == "zb-v":
         assert "model.embed_tokens, model.layers.3 first on rank 0" in result.stdout
+
+
+def test_the_demo_trains_against_torch_checks_the_gradients_and_draws_a_step(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tqdm")
+    result = subprocess.run([sys.executable, str(EXAMPLES / "demo.py"), "--steps", "5", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "of the gradient's largest entry -> exact" in result.stdout, result.stdout
+    # Both libraries train the same stages from the same weights on the same data.
+    ratio = re.search(r"runs at (\d+\.\d+)x torch's speed; last loss (\d+\.\d+) against (\d+\.\d+)", result.stdout)
+    assert ratio and float(ratio.group(1)) > 0, result.stdout
+    assert abs(float(ratio.group(2)) - float(ratio.group(3))) < 1e-3, result.stdout
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {event["pid"] for event in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]} == {0, 1}
+    assert f"one step's timeline per rank: {tmp_path / 'timeline.png'}" in result.stdout
