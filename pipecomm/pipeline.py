@@ -43,15 +43,13 @@ from pipecomm.parallel.grad_sync import SharedParameters
 from pipecomm.parallel.mesh import global_rank
 from pipecomm.parallel.sharded_stages import ShardedStages
 from pipecomm.runtime import fail_fast, microbatch, stage_state, step_trace
-from pipecomm.runtime.auto_planner import AutoPlanner
 from pipecomm.runtime.checks import check_configuration, check_options, module_device, starting_schedule
 from pipecomm.runtime.collectives import PipelineCollectives
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.links import NeighbourLinks
-from pipecomm.runtime.offload_planner import OffloadPlanner, SavedBytesMeter
 from pipecomm.runtime.prepared_stages import PreparedStages
-from pipecomm.runtime.schedule_refit import ScheduleRefit
-from pipecomm.schedules.offload import OffloadPlan, check_plan
+from pipecomm.runtime.step_tuning import StepTuning
+from pipecomm.schedules.offload import OffloadPlan
 from pipecomm.schedules.schedule import Schedule, built_for_costs
 
 __all__ = ["Pipeline"]
@@ -60,11 +58,10 @@ __all__ = ["Pipeline"]
 class Pipeline:
     """This rank's stages of a pipeline-parallel model.
 
-    Replace ``loss = loss_fn(model(x), y); loss.backward()`` with ``loss = pipe.step(x, target=y)``:
-    afterwards every parameter's ``.grad`` holds what that single-process backward on the whole
-    batch gives, so any optimizer works unchanged; frozen parameters (``requires_grad=False``, read
-    at every step) keep no gradient. Every rank may call ``step`` with the same arguments; the first
-    stage reads the inputs, the last ``target``, the others may pass None.
+    Replace ``loss = loss_fn(model(x), y); loss.backward()`` with ``loss = pipe.step(x, target=y)``: afterwards
+    every parameter's ``.grad`` holds what that single-process backward on the whole batch gives, so any optimizer
+    works unchanged; frozen parameters (``requires_grad=False``, read at every step) keep no gradient. Every rank
+    may call ``step`` with the same arguments; the first stage reads the inputs, the last ``target``.
 
     A stage may return any pytree (tensors, tuples, lists, dicts, None, dataclasses, transformers
     ModelOutputs, with non-tensor leaves such as ints); the next stage receives that structure, a
@@ -75,34 +72,23 @@ class Pipeline:
     ``module``/``stage`` are one module and its stage index, or lists of them for schedules with
     several stages per rank (interleaved-1f1b: rank r holds stages r, r + p, r + 2p, ...; zb-v: r
     and 2p - 1 - r). ``schedule`` is a name of ``pipecomm.schedules.schedule.SCHEDULES``, a ``Schedule``
-    (``pipecomm.make_schedule``, e.g. zb-v built for measured costs) or ``"auto"``: the first three
-    steps run zb-h1 (one stage per rank) or zb-v (two in a V) and time each rank's F, I and W (on
-    GPUs with CUDA events); every rank then computes ``pipecomm.plan_schedule``'s plan for the
-    slowest rank's costs at 1f1b's activation memory (``pipe.planned_costs``). The plan's simulation
-    knows no host time, so the plan and, for one stage per rank, 1f1b then run three steps each, and
-    from the tenth step on ``pipe.schedule`` is whichever of the three ran its step fastest on the
-    slowest rank (``pipe.auto_step_times``: each one's name and median step seconds). "zb-h2" and "zb-v"
-    by name time the first step's passes and from the second on run their order rebuilt for the slowest rank's
-    F, I and W (``pipe.planned_costs``; not with ``cuda_graphs=True``, which keeps the order built for equal costs).
+    (``pipecomm.make_schedule``, e.g. zb-v built for measured costs) or ``"auto"``, which times F, I and W on its
+    first steps, plans for the slowest rank's costs, tries the plan and 1f1b and keeps the faster; "zb-h2" and
+    "zb-v" by name run their order rebuilt for the costs of the first step from the second on (docs/schedules.md;
+    ``pipe.schedule``, ``pipe.planned_costs``, ``pipe.auto_step_times``).
     ``group`` is the pipeline's process group, ordered by stage (default: the whole world);
     ``data_group`` holds this stage's data-parallel replicas, whose gradients are averaged
     (``pipecomm.init`` makes both).
-    ``cuda_graphs=True`` captures each stage's forward and backward as CUDA graphs at the first
-    step and replays them, for small models bound by kernel launches; shapes must then stay fixed
-    (every schedule whose passes of a stage run in forward order, the zero-bubble ones with their I and W as
-    separate graphs; not "auto"). ``device_timing=True`` times compute actions with CUDA
-    events, so that ``bubble_fraction()`` reports the GPU's bubble.
+    ``cuda_graphs=True`` captures each stage's passes as CUDA graphs at the first step and replays them, for models
+    bound by kernel launches; shapes must then stay fixed (not with "auto"). ``device_timing=True`` times compute
+    actions with CUDA events, so that ``bubble_fraction()`` reports the GPU's bubble.
     ``recompute=True`` recomputes each stage's forward during its backward (activation checkpointing),
     keeping only the stage's inputs between the two; a callable ``module -> bool`` checkpoints only the
     submodules it picks (selective recomputation, as Megatron's ``recompute_modules``).
     ``offload=True`` moves saved activations to host memory while they wait for their backward, where the
-    schedule leaves time to copy them out and back behind compute: the first step measures the passes, the
-    bytes each micro-batch's forward saves and the copy speed each way, then every rank plans alike
-    (``pipecomm.plan_offload``; ``pipe.offload_plan`` gives each rank's peak activation memory with and without)
-    and offloads from the next step on. With "auto", its measured steps measure these too, its plan may rely on
-    offload to fit 1f1b's memory, and every schedule it tries after them offloads as planned for it. An
-    ``OffloadPlan`` made for this Pipeline's schedule is used as it is. Parameters stay on the device; not with
-    ``cuda_graphs``.
+    schedule leaves time to copy them out and back behind compute, as planned from the first step's measurements
+    (with "auto", from its measured steps, for each schedule it runs); an ``OffloadPlan`` made for this schedule is
+    used as it is (docs/offload-recompute.md; ``pipe.offload_plan``). Not with ``cuda_graphs``.
     """
 
     def __init__(
@@ -136,13 +122,10 @@ class Pipeline:
         self.calls = fail_fast.CallProtocol(self.rank, global_rank(group, self.rank), self.stages, self._abort)
         self._links = NeighbourLinks()
         self._prepared: PreparedStages | None = None
-        # schedule="auto", "zb-h2" or "zb-v": the F, I and W it planned (or rebuilt the order) for
-        self.planned_costs: dict[str, float] | None = None
-        self.auto_step_times: list[tuple[str, float]] | None = None  # schedule="auto": each schedule it tried
         with self.calls.failing("building the Pipeline"):
             check_configuration(modules, stages, num_stages, self.num_ranks, schedule)
             auto = schedule == "auto"
-            self.schedule: Schedule = starting_schedule(schedule, self.num_ranks, micro_batches, stages, self.rank)
+            starting = starting_schedule(schedule, self.num_ranks, micro_batches, stages, self.rank)
             self.num_stages = num_stages
             self.micro_batches = micro_batches
             self.modules = dict(zip(stages, modules))
@@ -150,35 +133,32 @@ class Pipeline:
             sharded = self._sharded = ShardedStages(self.modules)
             check_options(self.device, auto=auto, sharded=bool(sharded), cuda_graphs=cuda_graphs,
                           device_timing=device_timing, main_grad=main_grad, offload=offload)
-            self._device_timing = device_timing
             refit = isinstance(schedule, str) and built_for_costs(schedule) and not cuda_graphs
             timed_on_device = device_timing or ((auto or refit or offload is True) and self.device.type == "cuda")
             self._prepared = PreparedStages(
-                self.schedule, self.rank, self.modules, sharded, loss_fn, self._links.channels, main_grad=main_grad,
+                starting, self.rank, self.modules, sharded, loss_fn, self._links.channels, main_grad=main_grad,
                 cuda_graphs=cuda_graphs, recompute=recompute,
                 device_timeline=DeviceTimeline(self.device) if timed_on_device else None,
                 on_stage_backward_done=lambda stage: self._gradients.stage_done(stage))
             self._executor = self._prepared.executor
-            self._links.connect(self.schedule, self.rank, group, self.device, transport, timeout,
+            self._links.connect(starting, self.rank, group, self.device, transport, timeout,
                                 self.calls.peer_failures)
-            self._collectives = PipelineCollectives(group, self.rank, self.schedule.stage_rank(num_stages - 1),
-                                                    self.device, self.calls, timeout, self._links.channels,
-                                                    self.schedule)
-            stage_modules = list(self.modules.values())
-            saved_bytes = SavedBytesMeter(self.device, stage_modules) if offload is True and auto else None
-            self._planner = (AutoPlanner(self._collectives, self.num_ranks, micro_batches, self.schedule, saved_bytes)
-                             if auto else None)
-            self._refit = ScheduleRefit(self._collectives, self.schedule) if refit else None
-            self.offload_plan: OffloadPlan | None = None
-            self._offload_planner = (OffloadPlanner(self._collectives, self.num_ranks, self.device, stage_modules)
-                                     if offload is True and not auto else None)
-            if isinstance(offload, OffloadPlan):
-                check_plan(offload, self.schedule)
-                self._use_offload_plan(offload)
-            shared = (SharedParameters(self.modules, lambda s: global_rank(group, self.schedule.stage_rank(s)))
+            self._collectives = PipelineCollectives(group, self.rank, starting.stage_rank(num_stages - 1),
+                                                    self.device, self.calls, timeout, self._links.channels, starting)
+            self._tuning = StepTuning(self._prepared, self._collectives, self.num_ranks, micro_batches, self.device,
+                                      modules, auto=auto, refit=refit, offload=offload, device_timing=device_timing)
+            shared = (SharedParameters(self.modules, lambda s: global_rank(group, starting.stage_rank(s)))
                       if dist.is_initialized() else None)
             self._gradients = GradientFinalizer(self._prepared.sinks, sharded, data_group, shared, self._collectives)
         fail_fast.track(self, several_ranks=self.num_ranks > 1)
+
+    schedule = property(lambda self: self._executor.schedule,
+                        doc='The schedule the next step runs ("auto", "zb-h2" and "zb-v" change it after measuring).')
+    planned_costs = property(lambda self: self._tuning.planned_costs,
+                             doc='"auto", "zb-h2", "zb-v": the F, I and W (seconds) planned or rebuilt for.')
+    auto_step_times = property(lambda self: self._tuning.auto_step_times,
+                               doc='"auto", once settled: each schedule it tried and its median step seconds.')
+    offload_plan = property(lambda self: self._tuning.offload_plan, doc="offload=True: the plan in use, once made.")
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return itertools.chain.from_iterable(self.modules[stage].parameters() for stage in self.stages)
@@ -193,59 +173,16 @@ class Pipeline:
         bad arguments included, fails the call on every rank (see the module docstring).
         """
         with self.calls.call("step"):
-            measuring_offload = self._offload_planner is not None
-            if self._planner:
-                self._planner.before_step(self._executor)
-            elif measuring_offload:
-                self._offload_planner.before_step(self._executor)
+            self._tuning.before_step()
             loss = self._executor.run(*microbatch.split_step(inputs, kwargs, target, self.micro_batches, self.device,
                                                              first=0 in self.stages,
                                                              last=self.num_stages - 1 in self.stages))
             self._prepared.check_deferral()
-            if self._planner:
-                self._after_auto_step()
-            elif self._refit or measuring_offload:
-                self._after_measured_step()
+            self._tuning.after_step()
             self._gradients.finish_step()
             if self.num_ranks == 1:
                 return loss
             return self._collectives.broadcast_loss(loss)
-
-    def _use_offload_plan(self, plan: OffloadPlan) -> None:
-        self.offload_plan = plan
-        self._prepared.set_offload(plan, self.device)
-
-    def _after_measured_step(self) -> None:
-        """The first step timed: a zb-h2 or zb-v rebuilt for the measured costs, and with offload=True the plan for
-        the schedule the next steps run; the device timeline kept only if the user asked for it."""
-        following = self._refit.after_step(self._executor) if self._refit else None
-        plan = self._offload_planner.after_step(self._executor, following or self.schedule) if self._offload_planner \
-            else None
-        if following is not None:
-            self.planned_costs = self._refit.costs
-            self.schedule = following
-            self._prepared.switch_schedule(following, self._device_timing)
-        if plan is not None:
-            self._use_offload_plan(plan)
-        if not self._device_timing:
-            self._executor.device_timeline = None
-        self._refit = self._offload_planner = None
-
-    def _after_auto_step(self) -> None:
-        """schedule="auto": the schedule it tries next, or settles on, from the next step on."""
-        planner = self._planner
-        following = planner.after_step(self._executor)
-        self.planned_costs = planner.costs
-        if following is None:
-            return
-        self.schedule = following
-        # Trials time their steps on the device (when on a GPU); once settled, only if the user asked to.
-        self._prepared.switch_schedule(following, self._device_timing or not planner.settled)
-        if planner.offload_plan:
-            self._use_offload_plan(planner.offload_plan)
-        if planner.settled:
-            self.auto_step_times = planner.step_times
-            self._planner = None
 
     @torch.no_grad()
     def forward(self, *inputs, broadcast_result: bool = False, **kwargs):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import time
 from collections.abc import Callable
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipecomm.runtime import boundary
-from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots
+from pipecomm.runtime.cuda_graphs import in_flight_slots
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.microbatch import check_received_batch, check_target_batch
@@ -18,8 +18,9 @@ from pipecomm.runtime.offload import ActivationOffloader
 from pipecomm.schedules.schedule import Action, Schedule, forward_schedule
 from pipecomm.schedules.validation import validate
 from pipecomm.runtime.split_backward import WeightGradStore
-from pipecomm.runtime.stage_runner import EagerStage, GraphedRunner
-from pipecomm.transport.channel import Channel, ChannelError
+from pipecomm.runtime.stage_runner import EagerStage, make_runner
+from pipecomm.runtime.stage_transfers import StageTransfers
+from pipecomm.transport.channel import Channel
 
 __all__: list[str] = []
 
@@ -43,7 +44,7 @@ class StageExecutor:
     ):
         self.schedule = schedule
         self.rank = rank
-        self.channels = channels
+        self.transfers = StageTransfers(rank, schedule, channels)
         self.loss_fn = loss_fn
         self.last_stage = schedule.num_stages - 1
         self.on_stage_backward_done = on_stage_backward_done
@@ -52,16 +53,12 @@ class StageExecutor:
         for stage, module in modules.items():
             loss = self._scaled_loss if stage == self.last_stage else None
             store = weight_grad_store if schedule.splits_backward(rank, stage) else None
-            if cuda_graphs:  # built (and the schedule checked) here, before any communication; captured at the first F
-                graphed = GraphedStage(module, sinks[stage].params, in_flight_slots(schedule, rank, stage), stage, loss,
-                                       store)
-                self.stages[stage] = GraphedRunner(graphed, sinks[stage], stage, loss, store, rank)
-            else:
-                self.stages[stage] = EagerStage(module, sinks[stage], stage, loss, store, rank)
+            # Graphed ones are built (and the schedule checked) here, before any communication; captured at the first F.
+            self.stages[stage] = make_runner(module, sinks[stage], stage, loss, store, rank,
+                                             in_flight_slots(schedule, rank, stage) if cuda_graphs else None)
         self.timeline: list[tuple[float, float, Action]] = []
         self.offloader: ActivationOffloader | None = None
         self._reloads: dict[int, list] = {}  # action index -> the waits whose copies back start before it
-        self._forward_schedules: dict[int, Schedule] = {}  # inference's, per micro-batch count
         self._handlers = {
             "F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight,
             "SEND_F": self._send_forward, "RECV_F": self._recv_forward,
@@ -118,7 +115,7 @@ class StageExecutor:
             self.timeline.append((started, time.perf_counter(), action))
         if device:
             device.end_step()
-        self._settle_gradients()
+        self.transfers.settle_gradients()
         return self._loss
 
     def infer(self, inputs: list[tuple[tuple, dict]] | None) -> list | None:
@@ -138,19 +135,11 @@ class StageExecutor:
         else:
             self._micro_batches = len(inputs)
         handlers = {"F": self._infer, "SEND_F": self._send_inferred, "RECV_F": self._recv_forward}
-        for action in self._forward_schedule(self._micro_batches).actions[self.rank]:
+        inference = validated_forward_schedule(self.schedule.num_ranks, self._micro_batches, self.schedule.placement)
+        for action in inference.actions[self.rank]:
             if action != first_message:
                 handlers[action.kind](action.stage, action.micro_batch)
         return self._inferred if self.last_stage in self.stages else None
-
-    def _forward_schedule(self, micro_batches: int) -> Schedule:
-        """Inference's schedule for ``micro_batches``, built and validated once per count."""
-        schedule = self._forward_schedules.get(micro_batches)
-        if schedule is None:
-            schedule = forward_schedule(self.schedule.num_ranks, micro_batches, self.schedule.placement)
-            validate(schedule)
-            self._forward_schedules[micro_batches] = schedule
-        return schedule
 
     def _start(self, inputs, targets, batch_size: int | None, target_batch: int | None,
                micro_batches: int | None) -> None:
@@ -164,7 +153,7 @@ class StageExecutor:
             self.offloader.start()
         self._loss: torch.Tensor | None = None
         self._backwards_done: dict[int, int] = dict.fromkeys(self.stages, 0)
-        self._gradient_layouts: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> its gradient's layout key
+        self.transfers.start()
 
     # -- compute -------------------------------------------------------------------------------
 
@@ -218,62 +207,29 @@ class StageExecutor:
 
     def _send_forward(self, stage: int, micro_batch: int) -> None:
         runner = self.stages[stage]
-        outputs = runner.record(micro_batch).outputs
-        self._transfer("send", "act", stage + 1, stage, micro_batch, outputs, self.schedule.micro_batches,
-                       self._batch_size)
-        # The gradient that comes back has one entry per tensor sent, of its shape and dtype where it required grad:
-        # the same tensors sent, the same gradient layout (but for gradients that autograd leaves None, which
-        # the channel's check of a layout received ahead then reports).
-        self._gradient_layouts[(stage, micro_batch)] = hash(
-            (stage, tuple((tensor.shape, tensor.dtype, tensor.requires_grad) for tensor in outputs.tensors)))
+        self.transfers.send_activation(stage, micro_batch, runner.record(micro_batch).outputs,
+                                       self.schedule.micro_batches, self._batch_size)
         runner.outputs_sent(micro_batch)
 
     def _send_inferred(self, stage: int, micro_batch: int) -> None:
         held = self.stages[stage].micro_batches.pop(micro_batch)
-        self._transfer("send", "act", stage + 1, stage, micro_batch, held.outputs, self._micro_batches)
+        self.transfers.send_activation(stage, micro_batch, held.outputs, self._micro_batches)
 
     def _recv_forward(self, stage: int, micro_batch: int) -> None:
-        received = self._transfer("recv", "act", stage - 1, stage, micro_batch)
+        received = self.transfers.recv_activation(stage, micro_batch)
         self._batch_size = received.batch_size  # passed on to the next stage
         self.stages[stage].record(micro_batch).received = received
 
     def _send_backward(self, stage: int, micro_batch: int) -> None:
-        grads = self.stages[stage].take_input_grads(micro_batch)
-        self._transfer("send", "grad", stage - 1, stage, micro_batch, grads)
+        self.transfers.send_gradient(stage, micro_batch, self.stages[stage].take_input_grads(micro_batch))
 
     def _recv_backward(self, stage: int, micro_batch: int) -> None:
-        # With the layout key, a CUDA IPC channel returns before the peer's host gets there: the GPU waits instead.
-        grads = self._transfer("recv", "grad", stage + 1, stage, micro_batch,
-                               layout_key=self._gradient_layouts.pop((stage, micro_batch), None))
-        self.stages[stage].record(micro_batch).output_grads = grads
-
-    def _settle_gradients(self) -> None:
-        """Before the step's gradients are used: every gradient received ahead of its note checked against it."""
-        for (peer, kind), channel in self.channels.items():
-            if kind == "grad":
-                try:
-                    channel.settle()
-                except (ChannelError, TimeoutError) as error:
-                    raise type(error)(f"pipeline rank {self.rank}, at the step's end, checking the gradients received "
-                                      f"from rank {peer}: {error}") from error
-
-    def _transfer(self, direction: str, kind: str, peer_stage: int, stage: int, micro_batch: int, *message,
-                  layout_key: int | None = None):
-        """A send (of ``message``) or receive on the activation (StructureChannel) or gradient channel to a peer stage."""
-        channel = self.channels[(self.schedule.stage_rank(peer_stage), kind)]
-        with naming_transfer(self.rank, stage, micro_batch, direction, "activation" if kind == "act" else "gradient",
-                             peer_stage):
-            if direction == "send":
-                channel.send(*message)
-                return None
-            return channel.recv() if layout_key is None else channel.recv(layout_key=layout_key)
+        self.stages[stage].record(micro_batch).output_grads = self.transfers.recv_gradient(stage, micro_batch)
 
 
-@contextlib.contextmanager
-def naming_transfer(rank: int, stage: int, micro_batch: int, direction: str, what: str, peer_stage: int):
-    """Channel errors and timeouts inside get the rank, stage, micro-batch and action in front of their message."""
-    try:
-        yield
-    except (ChannelError, TimeoutError) as error:
-        action = f"{direction} of the {what} {'to' if direction == 'send' else 'from'} stage {peer_stage}"
-        raise type(error)(f"pipeline rank {rank}, stage {stage}, micro-batch {micro_batch}, {action}: {error}") from error
+@functools.lru_cache(maxsize=16)
+def validated_forward_schedule(num_ranks: int, micro_batches: int, placement: tuple[int, ...]) -> Schedule:
+    """Inference's schedule on ``placement`` for ``micro_batches``, built and validated once per count."""
+    schedule = forward_schedule(num_ranks, micro_batches, placement)
+    validate(schedule)
+    return schedule

@@ -261,3 +261,13 @@ def _sole_user(tensor: torch.Tensor) -> bool:
         return False
     # The storage's users: the tensor and the ``storage`` object just made for this call.
     return tensor._use_count() == 1 and torch._C._storage_Use_Count(storage._cdata) == 2
+
+
+def make_runner(module: nn.Module, sink: GradientSink, index: int, scaled_loss: Callable | None,
+                weight_grad_store: WeightGradStore | None, rank: int, graph_slots: int | None) -> EagerStage:
+    """The runner of one stage: eager, or with ``graph_slots`` (micro-batches in flight at once) replaying CUDA
+    graphs."""
+    if graph_slots is None:
+        return EagerStage(module, sink, index, scaled_loss, weight_grad_store, rank)
+    graphed = GraphedStage(module, sink.params, graph_slots, index, scaled_loss, weight_grad_store)
+    return GraphedRunner(graphed, sink, index, scaled_loss, weight_grad_store, rank)
