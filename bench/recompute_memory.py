@@ -1,20 +1,25 @@
 """One GPU: peak memory and time of 1F1B's first stage with and without recomputation (Pipeline(recompute=...)) and
 activation offload (Pipeline(offload=...)).
 
-The stage is stage 0 of e2e.py's 8-layer GPT stack split into p stages (8 / p layers, bf16), on the compute config
-by default. Each round runs that stage's passes of a 1F1B step of 2p micro-batches in their order (p forwards, then
-one backward and one forward in turn, then the last backwards; random output gradients), back to back: the other
-stages' passes, and the time the stage waits for them in a pipeline, are left out. At its peak it holds p
-micro-batches between forward and backward. Each forward sends nothing but has its output freed as the executor
-frees a sent output (when nothing autograd saved shares its storage), so the memory is what the pipeline keeps.
+The stage is stage 0 of an 8-layer stack split into p stages (8 / p layers, bf16), on the compute config by default
+(d = 2048, seq = 1024, micro-batch size 4). ``--model gpt`` (default): e2e.py's GPT blocks, on hidden states.
+``--model llama``: a transformers LlamaForCausalLM built from a LlamaConfig (no download; the config's d, heads and
+seq, a quarter of the heads for keys and values, MLP 2.75 d, vocabulary 32000), on token ids: its stage 0 is the
+embedding and the first 8 / p decoder layers in host_cost.py's LlamaStage, which computes the positions and rotary
+embeddings inside the stage and runs causal sdpa with no mask, as LlamaModel does without padding.
+Each round runs that stage's passes of a 1F1B step of 2p micro-batches in their order (p forwards, then one backward
+and one forward in turn, then the last backwards; random output gradients), back to back: the other stages' passes,
+and the time the stage waits for them in a pipeline, are left out. At its peak it holds p micro-batches between
+forward and backward. Each forward sends nothing but has its output freed as the executor frees a sent output (when
+nothing autograd saved shares its storage), so the memory is what the pipeline keeps.
 Modes: none; stage (``recompute=True``: each stage forward recomputed during its backward); layers (the callable
-picking each GPT block); offload (the saved activations the plan picks go to pinned host memory after their
-forward and come back before their backward, on side streams: ``plan_offload`` for the 1F1B schedule of p stages,
-from this stage's F and B and the bytes and copy speeds measured here); offload+stage (both). Per mode: peak =
-torch.cuda.max_memory_allocated over the timed rounds; above_base = peak minus what is allocated before a round
-(weights, gradients, the batch); kept = the bytes of the storages autograd keeps per micro-batch, parameters aside
-(counted on any device); ms per micro-batch forward + backward (CUDA events); offloaded = how many of the round's
-micro-batches the plan sends to host memory. The copy speeds each way are printed.
+picking each GPT block or Llama decoder layer); offload (the saved activations the plan picks go to pinned host
+memory after their forward and come back before their backward, on side streams: ``plan_offload`` for the 1F1B
+schedule of p stages, from this stage's F and B and the bytes and copy speeds measured here); offload+stage (both).
+Per mode: peak = torch.cuda.max_memory_allocated over the timed rounds; above_base = peak minus what is allocated
+before a round (weights, gradients, the batch); kept = the bytes of the storages autograd keeps per micro-batch,
+parameters aside (counted on any device); ms per micro-batch forward + backward (CUDA events); offloaded = how many
+of the round's micro-batches the plan sends to host memory. The copy speeds each way are printed.
 --smoke runs toy sizes on the CPU (no memory counter there but kept; offload copies host to host) to check the
 control flow.
 """
@@ -25,9 +30,11 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -39,11 +46,13 @@ from pipecomm.schedules.offload import plan_offload  # noqa: E402
 from pipecomm.schedules.schedule import make_schedule  # noqa: E402
 from pipecomm.schedules.simulation import simulate  # noqa: E402
 from _common import environment, print_environment, print_table, write_json  # noqa: E402
-from e2e import Block, build_chunk, config_named, make_batch  # noqa: E402
+from e2e import Config, build_chunk, config_named, make_batch  # noqa: E402
+from host_cost import LlamaStage  # noqa: E402
 
-LAYERS = 8  # e2e.py's stack
-MODES = {"none": False, "stage": True, "layers": lambda module: isinstance(module, Block), "offload": False,
-         "offload+stage": True}  # mode -> recompute
+LAYERS = 8  # in the whole stack, e2e.py's and the Llama's
+MODELS = {"gpt": "e2e.py's GPT blocks", "llama": "transformers LlamaForCausalLM: embedding + decoder layers"}
+LLAMA_VOCAB = {"gpu": 32000, "smoke": 256}
+MODES = ("none", "stage", "layers", "offload", "offload+stage")
 COLUMNS = ["p", "mode", "layers", "peak_GiB", "above_base_GiB", "kept_MiB", "ms_per_micro_batch", "offloaded",
            "peak/none", "time/none"]
 
@@ -67,17 +76,51 @@ class _Kept:
         return tensor.detach()  # as autograd would hold it: a new tensor on the same storage
 
 
-def measure(config_name: str, p: int, mode: str, device: torch.device, dtype: torch.dtype, warmup: int,
+def build_stage(model: str, config: Config, size: str, layers: range, device: torch.device,
+                dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor, list[nn.Module]]:
+    """Stage 0 of ``model`` holding ``layers``, one micro-batch of its inputs, and its layers (what the "layers"
+    mode recomputes each of); size is "gpu" or "smoke". Either stage outputs hidden states (micro-batch size, seq,
+    hidden)."""
+    if model == "gpt":
+        module = build_chunk(layers, config, device, dtype)
+        inputs, _ = make_batch(config, device, dtype)
+        return module, inputs[: config.micro_batch_size], list(module)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = LLAMA_VOCAB[size]
+    llama_config = LlamaConfig(vocab_size=vocab, hidden_size=config.hidden, intermediate_size=11 * config.hidden // 4,
+                               num_hidden_layers=LAYERS, num_attention_heads=config.heads,
+                               num_key_value_heads=max(1, config.heads // 4), max_position_embeddings=config.seq,
+                               use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                               attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):  # the whole model: what stage 0 does not hold is freed on return
+        llama = LlamaForCausalLM(llama_config)
+    module = LlamaStage(llama, layers, first=True, last=False).to(dtype)
+    generator = torch.Generator(device).manual_seed(7)
+    tokens = torch.randint(0, vocab, (config.micro_batch_size, config.seq), generator=generator, device=device)
+    return module, tokens, list(module.layers)
+
+
+def recompute_for(mode: str, layers: list[nn.Module]) -> bool | Callable[[nn.Module], bool]:
+    """A mode's Pipeline(recompute=...): each of the stage's layers, the whole stage, or nothing."""
+    if mode == "layers":
+        return lambda module: any(module is layer for layer in layers)
+    return mode.endswith("stage")
+
+
+def measure(model: str, config_name: str, p: int, mode: str, device: torch.device, dtype: torch.dtype, warmup: int,
             rounds: int, speeds: tuple[float, float]) -> dict:
-    config = config_named(config_name, "gpu" if device.type == "cuda" else "smoke")
+    size = "gpu" if device.type == "cuda" else "smoke"
+    config = config_named(config_name, size)
     layers = range(LAYERS // p)
-    module = build_chunk(layers, config, device, dtype)
-    undo = checkpoint_stages([module], MODES[mode])
+    module, inputs, stage_layers = build_stage(model, config, size, layers, device, dtype)
+    undo = checkpoint_stages([module], recompute_for(mode, stage_layers))
     schedule = make_schedule("1f1b", p, 2 * p)
-    inputs, _ = make_batch(config, device, dtype)
-    inputs = inputs[: config.micro_batch_size].repeat(2 * p, *[1] * (inputs.dim() - 1))
+    inputs = inputs.repeat(2 * p, *[1] * (inputs.dim() - 1))
     micro_batches = inputs.chunk(2 * p)  # the first stage's inputs need no gradient
-    output_grads = [torch.randn_like(x) for x in micro_batches]
+    output_grads = [torch.randn(config.micro_batch_size, config.seq, config.hidden, device=device, dtype=dtype)
+                    for _ in micro_batches]
     parameters = {param.untyped_storage().data_ptr() for param in module.parameters()}
     order = schedule.actions[0]
     kept: list[int] = []
@@ -173,6 +216,8 @@ def measure(config_name: str, p: int, mode: str, device: torch.device, dtype: to
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", choices=MODELS, default="gpt",
+                        help="gpt: e2e.py's GPT blocks; llama: a transformers Llama built from a config")
     parser.add_argument("--config", default="compute")
     parser.add_argument("--stages", default="2,4", help="pipeline sizes p: stage 0 holds 8 / p layers and p "
                                                         "micro-batches in flight")
@@ -198,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     for p in (int(value) for value in args.stages.split(",")):
         measured = []
         for mode in modes:
-            measured.append(measure(args.config, p, mode, device, dtype, args.warmup, args.rounds, speeds))
+            measured.append(measure(args.model, args.config, p, mode, device, dtype, args.warmup, args.rounds, speeds))
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the mode's stage and activations are gone with its frame
         baseline = next((row for row in measured if row["mode"] == "none"), None)
@@ -208,10 +253,11 @@ def main(argv: list[str] | None = None) -> None:
             if baseline:
                 row["time/none"] = row["ms_per_micro_batch"] / baseline["ms_per_micro_batch"]
         rows += measured
-    print(f"# {args.config}: 1F1B stage 0 of p stages, 2p micro-batches (p in flight at the peak), on {device}")
+    print(f"# {args.config}, {args.model} ({MODELS[args.model]}): 1F1B stage 0 of p stages, 2p micro-batches "
+          f"(p in flight at the peak), on {device}")
     print_table(rows, COLUMNS)
     if args.json:
-        write_json(args.json, {"env": env, "config": args.config, "rows": rows})
+        write_json(args.json, {"env": env, "model": args.model, "config": args.config, "rows": rows})
 
 
 if __name__ == "__main__":
