@@ -753,7 +753,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", metavar="PATH", help="PNG of the efficiencies (default: the --json path with .png)")
     parser.add_argument("--configs", default="all", help="all, or a comma list of: " + ", ".join(CONFIGS))
     parser.add_argument("--schedules", default="all",
-                        help="all, or a comma list of: " + ", ".join(PIPECOMM_SCHEDULES + list(TORCH_SCHEDULES)))
+                        help="all, or a comma list of: " + ", ".join(PIPECOMM_SCHEDULES + list(TORCH_SCHEDULES))
+                        + " ('_' for a space: torch_1F1B)")
     parser.add_argument("--micro-batches", metavar="LIST",
                         help="comma list of micro-batch counts: each config runs once per count (e.g. 8,16,32) "
                              "instead of at its own")
@@ -792,7 +793,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # CUDA graphs need a GPU: a smoke run leaves those rows out unless named.
     everything = [name for name in known if not (args.mode != "gpu" and name.endswith(GRAPHS))]
     args.schedule_list = (everything if args.schedules == "all"
-                          else [s.strip() for s in args.schedules.split(",") if s.strip()])
+                          else [s.strip().replace("_", " ") for s in args.schedules.split(",") if s.strip()])
     backends = [b.strip() for b in args.transport.split(",") if b.strip()]
     if not backends or any(b not in TRANSPORTS for b in backends):
         parser.error(f"--transport takes a comma list of {', '.join(TRANSPORTS)}, not {args.transport!r}")

@@ -464,7 +464,8 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {', '.join(MODELS)}")
     parser.add_argument("--micro-batches", default="",
                         help="e.g. 8,32: each model once per micro-batch count (default: its shape's)")
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join((*ROWS, *EXTRA_ROWS))}")
+    parser.add_argument("--rows", default=",".join(ROWS),
+                        help=f"of {', '.join((*ROWS, *EXTRA_ROWS))} ('_' for a space: torch_1F1B)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120.0)
@@ -477,7 +478,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; known: {', '.join(MODELS)}")
     args.micro_batch_list = [int(count) for count in args.micro_batches.split(",") if count]
-    args.row_list = [row.strip() for row in args.rows.split(",") if row.strip()]
+    # "torch_1F1B" for "torch 1F1B": names without spaces pass through scripts/gpu_check.sh's word splitting.
+    args.row_list = [row.strip().replace("_", " ") for row in args.rows.split(",") if row.strip()]
     unknown_rows = set(args.row_list) - {*ROWS, *EXTRA_ROWS}
     if unknown_rows:
         parser.error(f"unknown rows {sorted(unknown_rows)}; known: {', '.join((*ROWS, *EXTRA_ROWS))}")
