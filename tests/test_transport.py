@@ -474,12 +474,14 @@ def receive_ahead(rank: int, world_size: int, change_layout_at: int | None) -> t
                 return ("stopped",)
             return ("sent",)
         received = []
-        for seq in range(20):
-            received.append(channel.recv(layout_key=7))
-            store.set(f"returned/{seq}", "1")
         try:
+            for seq in range(20):
+                received.append(channel.recv(layout_key=7))
+                store.set(f"returned/{seq}", "1")
             channel.settle()
-        except transport.ProtocolError as error:
+        except transport.ProtocolError as error:  # at the first call after the changed layout's note came
+            for seq in range(20):  # the sender goes on, to find the channel closed
+                store.set(f"returned/{seq}", "1")
             return ("refused", str(error))
         exact = all(message[1] is None and torch.equal(message[0], torch.full((1000, 3), float(seq), device=device))
                     for seq, message in enumerate(received))

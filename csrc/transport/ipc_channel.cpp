@@ -461,11 +461,16 @@ class IpcChannel {
 
   // The key's layout, learned from the last message received in order with it: if it is the one this end
   // posts for and the post for this message reached the peer before it decided how to send it, the message
-  // goes into that post unless its layout differs, which settle_ahead then reports.
+  // goes into that post unless its layout differs, which settle_ahead then reports. Only as far as the peer can
+  // send without a release this end has not made: then nothing the caller's stream waits for waits on this
+  // host, and a device synchronization here (the caching allocator's, the user's) cannot hang.
   Entries receive_keyed(int64_t key) {
     settle_arrived();
+    if (!mispredicted_.empty()) throw ProtocolError(mispredicted_);
     const auto learned = learned_layouts_.find(key);
     if (learned != learned_layouts_.end() && learned->second == received_->fingerprint && direct_recvs_ > 0) {
+      // The notes of the messages received ahead come before this one's: waiting for them costs less.
+      if (static_cast<int64_t>(recv_seq_) >= first_unsendable()) settle_ahead();
       if (const PostedBuffer* post = posted_.find_before_decision(recv_seq_, received_->fingerprint)) {
         return receive_ahead(*post);
       }
@@ -549,6 +554,14 @@ class IpcChannel {
     const int64_t first = static_cast<int64_t>(inbox_.released()) + known_data_seq_ - known_host_seq_ + 1 +
                           static_cast<int64_t>(receiver_.num_slots());
     return static_cast<uint64_t>(std::max<int64_t>(first, 0));
+  }
+
+  // The first message the peer cannot send before this end releases more host messages: with the layout
+  // repeated, as a message received ahead must have it, message n is host message known_host_seq_ + n -
+  // known_data_seq_, and the host ring holds num_slots unreleased.
+  int64_t first_unsendable() const {
+    return static_cast<int64_t>(inbox_.released()) + static_cast<int64_t>(receiver_.num_slots()) - known_host_seq_ +
+           known_data_seq_;
   }
 
   Entries receive_message() {
