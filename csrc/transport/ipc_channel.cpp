@@ -28,6 +28,7 @@
 #include "ipc_host_inbox.h"
 #include "ipc_peer_posts.h"
 #include "ipc_posted_buffers.h"
+#include "ipc_receive_ahead.h"
 #include "ipc_records.h"
 #include "ipc_ring.h"
 #include "message.h"
@@ -545,24 +546,11 @@ class IpcChannel {
     ahead_.pop_front();
   }
 
-  // The first message that a post made now reaches the peer before it decides how to send: it decides on data
-  // message n right after its host ring took its previous message, at least n - 1 - known_data_seq_ host
-  // messages after known_host_seq_, which needs a release this end has not made while that is
-  // released() + num_slots or more.
-  uint64_t first_decided_after_posting() const {
-    if (known_data_seq_ < 0) return UINT64_MAX;
-    const int64_t first = static_cast<int64_t>(inbox_.released()) + known_data_seq_ - known_host_seq_ + 1 +
-                          static_cast<int64_t>(receiver_.num_slots());
-    return static_cast<uint64_t>(std::max<int64_t>(first, 0));
+  ReceiveAheadBounds ahead_bounds() const {
+    return {receiver_.num_slots(), inbox_.released(), known_data_seq_, known_host_seq_};
   }
-
-  // The first message the peer cannot send before this end releases more host messages: with the layout
-  // repeated, as a message received ahead must have it, message n is host message known_host_seq_ + n -
-  // known_data_seq_, and the host ring holds num_slots unreleased.
-  int64_t first_unsendable() const {
-    return static_cast<int64_t>(inbox_.released()) + static_cast<int64_t>(receiver_.num_slots()) - known_host_seq_ +
-           known_data_seq_;
-  }
+  uint64_t first_decided_after_posting() const { return ahead_bounds().first_decided_after_posting(); }
+  int64_t first_unsendable() const { return ahead_bounds().first_unsendable(); }
 
   Entries receive_message() {
     const bool posted_early = post_early();
