@@ -1,4 +1,4 @@
-"""Runs the pytest suite as N shards side by side (one more than the cores by default) and sums up their results in one line.
+"""Runs the pytest suite as N shards side by side (one more than the cores by default), summed up in one line.
 
     python scripts/run_tests.py [--record-durations] [pytest arguments...]   # PYTEST_SHARDS=1: one plain pytest
 
