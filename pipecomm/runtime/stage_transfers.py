@@ -4,6 +4,7 @@ the peer stage's rank, each failure named with the rank, stage, micro-batch and 
 from __future__ import annotations
 
 import contextlib
+import os
 
 from pipecomm.runtime import boundary
 from pipecomm.schedules.schedule import Schedule
@@ -22,6 +23,9 @@ class StageTransfers:
         self.rank = rank
         self.placement = schedule.placement  # a schedule switch keeps it
         self.channels = channels
+        # Read as the channels read it (csrc/transport/ipc_channel.cpp): without it, no key is computed on the send
+        # path and nothing is settled at the step's end.
+        self.run_ahead = os.environ.get("PIPECOMM_RUN_AHEAD") == "1"
         self._gradient_layouts: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> its gradient's layout key
 
     def start(self) -> None:
@@ -31,6 +35,8 @@ class StageTransfers:
                         batch_size: int | None = None) -> None:
         with self._naming(stage, micro_batch, "send", "activation", stage + 1):
             self._channel(stage + 1, "act").send(outputs, micro_batches, batch_size)
+        if not self.run_ahead:
+            return
         # The gradient that comes back has an entry per tensor sent, of its shape and dtype where it required grad:
         # the same tensors sent, the same gradient layout (but for gradients that autograd leaves None, which the
         # channel's check of a layout received ahead then reports).
@@ -53,6 +59,8 @@ class StageTransfers:
 
     def settle_gradients(self) -> None:
         """Before the step's gradients are used: every gradient received ahead of its note checked against it."""
+        if not self.run_ahead:
+            return
         for (peer, kind), channel in self.channels.items():
             if kind == "grad":
                 try:
