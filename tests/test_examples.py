@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -33,8 +34,11 @@ def test_train_hf_trains_with_a_schedule(schedule):
 def test_the_demo_trains_against_torch_checks_the_gradients_and_draws_a_step(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("tqdm")
+    # On CPU ranks wherever it runs: there both libraries' losses agree to rounding, where GPUs' fused attention
+    # backward (atomics) lets two runs drift apart.
     result = subprocess.run([sys.executable, str(EXAMPLES / "demo.py"), "--steps", "5", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=240, check=False)
+                            capture_output=True, text=True, timeout=240, check=False,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "of the gradient's largest entry -> exact" in result.stdout, result.stdout
     # Both libraries train the same stages from the same weights on the same data.

@@ -65,7 +65,7 @@ uint32_t post_ring_slots(uint32_t num_slots) { return std::min<uint32_t>(num_slo
 constexpr size_t kMaxLayoutKeys = 64;
 
 // PIPECOMM_RUN_AHEAD=1 turns receiving ahead of the peer's note on (recv's layout key is ignored otherwise).
-// Off by default until measured on GPUs in its final form (bench/README.md, "Receiving ahead").
+// Off by default: a mispredicted message can fail a step or wait on this host (docs/transport.md says when).
 bool run_ahead_enabled() {
   const char* value = std::getenv("PIPECOMM_RUN_AHEAD");
   return value != nullptr && std::string(value) == "1";
