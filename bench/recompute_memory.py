@@ -8,9 +8,11 @@ seq, a quarter of the heads for keys and values, MLP 2.75 d, vocabulary 32000), 
 embedding and the first 8 / p decoder layers in host_cost.py's LlamaStage, which computes the positions and rotary
 embeddings inside the stage and runs causal sdpa with no mask, as LlamaModel does without padding.
 Each round runs that stage's passes of a 1F1B step of 2p micro-batches in their order (p forwards, then one backward
-and one forward in turn, then the last backwards; random output gradients), back to back: the other stages' passes,
-and the time the stage waits for them in a pipeline, are left out. At its peak it holds p micro-batches between
-forward and backward. Each forward sends nothing but has its output freed as the executor frees a sent output (when
+and one forward in turn, then the last backwards; random output gradients). The other stages' passes are left out;
+the time the stage waits for them in a pipeline is timed both ways: "alone" runs the passes back to back, "in the
+pipeline" idles the GPU before each pass (a sleep kernel) as long as the simulated 1F1B step, at this mode's
+measured F and B on every stage, has stage 0 wait there. Offload hides its copies in those waits, so only the
+second says what it costs. At its peak the stage holds p micro-batches between forward and backward. Each forward sends nothing but has its output freed as the executor frees a sent output (when
 nothing autograd saved shares its storage), so the memory is what the pipeline keeps.
 Modes: none; stage (``recompute=True``: each stage forward recomputed during its backward); layers (the callable
 picking each GPT block or Llama decoder layer); offload (the saved activations the plan picks go to pinned host
@@ -18,8 +20,9 @@ memory after their forward and come back before their backward, on side streams:
 schedule of p stages, from this stage's F and B and the bytes and copy speeds measured here); offload+stage (both).
 Per mode: peak = torch.cuda.max_memory_allocated over the timed rounds; above_base = peak minus what is allocated
 before a round (weights, gradients, the batch); kept = the bytes of the storages autograd keeps per micro-batch,
-parameters aside (counted on any device); ms per micro-batch forward + backward (CUDA events); offloaded = how many
-of the round's micro-batches the plan sends to host memory. The copy speeds each way are printed.
+parameters aside (counted on any device); ms per micro-batch forward + backward, alone, and the round's time per
+micro-batch in the pipeline (CUDA events); offloaded = how many of the round's micro-batches the plan sends to host
+memory. The copy speeds each way are printed.
 --smoke runs toy sizes on the CPU (no memory counter there but kept; offload copies host to host) to check the
 control flow.
 """
@@ -53,8 +56,8 @@ LAYERS = 8  # in the whole stack, e2e.py's and the Llama's
 MODELS = {"gpt": "e2e.py's GPT blocks", "llama": "transformers LlamaForCausalLM: embedding + decoder layers"}
 LLAMA_VOCAB = {"gpu": 32000, "smoke": 256}
 MODES = ("none", "stage", "layers", "offload", "offload+stage")
-COLUMNS = ["p", "mode", "layers", "peak_GiB", "above_base_GiB", "kept_MiB", "ms_per_micro_batch", "offloaded",
-           "peak/none", "time/none"]
+COLUMNS = ["p", "mode", "layers", "peak_GiB", "above_base_GiB", "kept_MiB", "ms_per_micro_batch", "pipeline_ms",
+           "offloaded", "peak/none", "time/none", "pipeline/none"]
 
 
 class _Kept:
@@ -102,6 +105,37 @@ def build_stage(model: str, config: Config, size: str, layers: range, device: to
     return module, tokens, list(module.layers)
 
 
+def idle_before_each_pass(passes) -> dict:
+    """Seconds stage 0 waits before each of its compute passes (by action) in a simulated timeline ((start, end,
+    action) per pass)."""
+    idle, free_at = {}, 0.0
+    for start, end, action in passes:
+        idle[action] = max(0.0, start - free_at)
+        free_at = end
+    return idle
+
+
+_SLEEP_CYCLES_PER_SECOND: dict[torch.device, float] = {}
+
+
+def idle_for(seconds: float, device: torch.device) -> None:
+    """The device's compute stream idles ``seconds`` (a one-block sleep kernel; side streams go on); the host, on the
+    CPU."""
+    if device.type != "cuda":
+        time.sleep(seconds)
+        return
+    if device not in _SLEEP_CYCLES_PER_SECOND:
+        cycles = 10_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)  # the first launch loads the kernel
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_SECOND[device] = cycles / (start.elapsed_time(end) / 1e3)
+    torch.cuda._sleep(int(seconds * _SLEEP_CYCLES_PER_SECOND[device]))
+
+
 def recompute_for(mode: str, layers: list[nn.Module]) -> bool | Callable[[nn.Module], bool]:
     """A mode's Pipeline(recompute=...): each of the stage's layers, the whole stage, or nothing."""
     if mode == "layers":
@@ -141,7 +175,7 @@ def measure(model: str, config_name: str, p: int, mode: str, device: torch.devic
         pass_times[kind].append(start.elapsed_time(end) / 1e3)
 
     def one_round(offloader: ActivationOffloader | None = None, reloads: dict | None = None,
-                  time_passes: bool = False) -> None:
+                  time_passes: bool = False, idle: dict | None = None) -> None:
         outputs = {}
         if offloader:
             offloader.start()
@@ -150,6 +184,8 @@ def measure(model: str, config_name: str, p: int, mode: str, device: torch.devic
         for index, action in enumerate(order):
             for wait in (reloads or {}).get(index, ()):
                 offloader.reload(wait)
+            if idle and idle.get(action, 0.0) > 0:
+                idle_for(idle[action], device)
             micro_batch = action.micro_batch
             if action.kind == "F":
                 def forward() -> None:
@@ -177,36 +213,41 @@ def measure(model: str, config_name: str, p: int, mode: str, device: torch.devic
     offloader, reloads, offloaded = None, None, 0
     for _ in range(warmup):
         one_round()
+    one_round(time_passes=True)
+    costs = {kind: statistics.median(times) for kind, times in pass_times.items()}
+    # Only stage 0 runs here: the others take as long as it does, as on a balanced pipeline.
+    timeline = simulate(schedule, costs).timeline
+    idle = idle_before_each_pass(timeline[0])
     if mode.startswith("offload"):
-        one_round(time_passes=True)
         activation_bytes = statistics.median(kept)
-        costs = {kind: statistics.median(times) for kind, times in pass_times.items()}
-        # Only stage 0 runs here: the others take as long as it does, as on a balanced pipeline.
-        plan = plan_offload(schedule, simulate(schedule, costs).timeline, activation_bytes / speeds[0],
-                            activation_bytes / speeds[1])
+        plan = plan_offload(schedule, timeline, activation_bytes / speeds[0], activation_bytes / speeds[1])
         offloader = ActivationOffloader(device, plan.offloaded[0], [module])
         reloads = plan.reloads_at(0)
         offloaded = len(plan.offloaded[0])
-        one_round(offloader, reloads)
+        one_round(offloader, reloads, idle=idle)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    samples = []
-    for _ in range(rounds):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            one_round(offloader, reloads)
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / len(micro_batches))
-        else:
+
+    def timed_round(idle: dict | None) -> float:
+        """One round's milliseconds per micro-batch."""
+        if not cuda:
             started = time.perf_counter()
-            one_round(offloader, reloads)
-            samples.append((time.perf_counter() - started) * 1e3 / len(micro_batches))
+            one_round(offloader, reloads, idle=idle)
+            return (time.perf_counter() - started) * 1e3 / len(micro_batches)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        one_round(offloader, reloads, idle=idle)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / len(micro_batches)
+
+    alone = [timed_round(None) for _ in range(rounds)]
+    in_pipeline = [timed_round(idle) for _ in range(rounds)]
     row = {"p": p, "mode": mode, "layers": len(layers), "kept_MiB": statistics.mean(kept) / 2**20,
-           "ms_per_micro_batch": statistics.median(samples), "offloaded": offloaded}
+           "ms_per_micro_batch": statistics.median(alone), "pipeline_ms": statistics.median(in_pipeline),
+           "offloaded": offloaded}
     if cuda:
         peak = torch.cuda.max_memory_allocated(device)
         row.update(peak_GiB=peak / 2**30, above_base_GiB=(peak - base) / 2**30)
@@ -252,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
                 row["peak/none"] = row["peak_GiB"] / baseline["peak_GiB"]
             if baseline:
                 row["time/none"] = row["ms_per_micro_batch"] / baseline["ms_per_micro_batch"]
+                row["pipeline/none"] = row["pipeline_ms"] / baseline["pipeline_ms"]
         rows += measured
     print(f"# {args.config}, {args.model} ({MODELS[args.model]}): 1F1B stage 0 of p stages, 2p micro-batches "
           f"(p in flight at the peak), on {device}")
