@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -16,7 +17,8 @@ import pipecomm
 from pipecomm.runtime import offload as runtime_offload
 from pipecomm.runtime import offload_planner
 from pipecomm.runtime.offload import ActivationOffloader
-from pipecomm.schedules.offload import plan_offload
+from pipecomm.schedules.offload import OffloadPlan, check_plan, plan_offload
+from pipecomm.schedules.schedule import Schedule
 
 
 def blocks(num_stages: int) -> list[nn.Module]:
@@ -56,10 +58,33 @@ def test_every_schedule_trains_exactly_with_activations_in_host_memory(tmp_path,
     assert all(count > 0 for count in copied), copied  # every rank's offloaded waits held tensors
 
 
+def every_wait_offloaded(schedule: Schedule) -> OffloadPlan:
+    """A plan for ``schedule`` that sends every wait to host memory, each copied back right before the pass that reads
+    it: the forward's saved activations and the W pass's inputs, whether or not the peak needs them away (which
+    ``plan_offload`` would ask)."""
+    offloaded, reload_before = [], []
+    for actions in schedule.actions:
+        position = {(action.stage, action.micro_batch, action.kind): index for index, action in enumerate(actions)
+                    if action.is_compute}
+        reader = {}
+        for stage, micro_batch, kind in position:
+            if kind == "F":
+                reader[(stage, micro_batch, "F")] = min(position[(stage, micro_batch, reads)] for reads in ("B", "I")
+                                                        if (stage, micro_batch, reads) in position)
+            elif kind == "I" and (stage, micro_batch, "W") in position:
+                reader[(stage, micro_batch, "I")] = position[(stage, micro_batch, "W")]
+        offloaded.append(frozenset(reader))
+        reload_before.append(reader)
+    plan = dataclasses.replace(plan_offload(schedule, pipecomm.simulate(schedule).timeline, 0.0, 0.0),
+                               offloaded=tuple(offloaded), reload_before=tuple(reload_before))
+    check_plan(plan, schedule)
+    return plan
+
+
 def planned_offload(rank: int, world_size: int, name: str, chunks: int) -> tuple:
     """A plan made before the Pipeline, for its schedule, with the W pass's inputs waiting too (zero-bubble)."""
     schedule = pipecomm.make_schedule(name, world_size, 4, chunks if chunks > 1 else None)
-    plan = plan_offload(schedule, pipecomm.simulate(schedule).timeline, 0.0, 0.0)
+    plan = every_wait_offloaded(schedule)
     copied = counting_copies()
     train_like_one_process(rank, world_size, blocks, float_batch, mse, schedules=[(name, chunks)], offload=plan)
     return copied[0], sorted({saved_by for _, _, saved_by in plan.offloaded[rank]})

@@ -46,6 +46,16 @@ def test_offload_brings_1f1b_first_stage_and_zb_h2_below_1f1b_memory():
     assert any(saved_by == "I" for waits in plan.offloaded for _, _, saved_by in waits)  # W's inputs wait too
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b"])
+@pytest.mark.parametrize("copy_time", [0.25, 2.0, 3.0, 5.0])
+def test_a_rank_offloads_only_what_lowers_its_peak(name, copy_time):
+    # Copies that fit their waits but leave the peak where it was cost the link and the compute for nothing: at
+    # copy_time 3.0 every 1f1b and zb-h2 rank had such copies (16 and 20 of them) and kept its peak.
+    _, _, plan = plan_for(name, 4, 8, copy_time)
+    for rank, waits in enumerate(plan.offloaded):
+        assert not waits or plan.peak_memory[rank] < plan.peak_memory_without[rank], (rank, sorted(waits))
+
+
 def test_reloads_are_grouped_by_the_action_they_start_before():
     schedule, _, plan = plan_for("1f1b", 4, 8, 0.5)
     starts = plan.reloads_at(0)

@@ -5,8 +5,8 @@ A rank's micro-batch waits, between its forward and the backward that reads its 
 schedule says: in 1F1B the first stage's oldest waits about 2(p - 1) passes; in a zero-bubble schedule the inputs of
 the W pass wait again between I and W. A copy engine can move them to host memory meanwhile and another bring them
 back, without slowing the compute, when the wait holds both copies. The plan takes the simulated timeline of the
-schedule, keeps the waits that hold both copies (each direction one copy at a time, as one copy engine runs them),
-starts each copy back as late as it can and still be done when the pass that reads it starts, and gives the
+schedule, keeps the waits that hold both copies (each direction one copy at a time, as one copy engine runs them)
+and, of those, the ones the rank's peak needs away, starts each copy back as late as it can and still be done when the pass that reads it starts, and gives the
 runtime the action before which to start it.
 """
 
@@ -58,7 +58,7 @@ def plan_offload(schedule: Schedule, timeline: tuple[tuple[tuple[float, float, A
     offloaded, reload_before, peaks, peaks_without = [], [], [], []
     for rank, passes in enumerate(timeline):
         held, waits = _held_and_waits(passes)
-        chosen = _fit_copies(waits, offload_time * share, reload_time * share)
+        chosen = _lowering_the_peak(held, share, _fit_copies(waits, offload_time * share, reload_time * share))
         offloaded.append(frozenset(chosen))
         reload_before.append({wait: _index_before(schedule.actions[rank], passes, reload_start)
                               for wait, (_, reload_start) in chosen.items()})
@@ -111,6 +111,20 @@ def _fit_copies(waits: dict[Wait, _Span], offload_time: float, reload_time: floa
         chosen[wait] = (offload_ends[wait], start)
         next_start = start
     return chosen
+
+
+def _lowering_the_peak(held: list[tuple[float, float]], share: float,
+                       chosen: dict[Wait, tuple[float, float]]) -> dict[Wait, tuple[float, float]]:
+    """``chosen`` without the copies the peak does not need: a copy away while the device is below its peak anyway
+    frees nothing that counts and costs the link's time and the compute's interference. The shortest times away go
+    first; dropping a copy only raises the memory, so one pass leaves each kept copy needed."""
+    kept = dict(chosen)
+    peak = _peak(held, share, kept.values())
+    for wait in sorted(chosen, key=lambda wait: (chosen[wait][1] - chosen[wait][0], wait)):
+        trial = {other: span for other, span in kept.items() if other != wait}
+        if _peak(held, share, trial.values()) <= peak + 1e-9:
+            kept = trial
+    return kept
 
 
 def _index_before(actions: tuple[Action, ...], passes: tuple[tuple[float, float, Action], ...], time: float) -> int:
