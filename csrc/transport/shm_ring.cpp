@@ -639,8 +639,10 @@ void ShmRingSender::adopt_published_generation() {
   if (raw_fd < 0) {
     const int error = errno;
     if (error == ENOENT && control_->receiver_closed.load(std::memory_order_acquire) != 0) {
-      throw ProtocolError(error_prefix_ + "peer rank " + std::to_string(config_.peer_rank) +
-                          " closed the channel while " + mapping);
+      // An abort's reason too, as a send's wait reports it: the peer may abort while this end maps a generation.
+      throw ProtocolError(error_prefix_ + "peer rank " + std::to_string(config_.peer_rank) + " closed the channel" +
+                          abort_note(control_->receiver_reason, control_->receiver_reason_bytes) + " while " +
+                          mapping);
     }
     if (error == ENOENT && !process_is_alive(receiver_pid_)) {
       throw PeerDiedError(error_prefix_ + "peer rank " + std::to_string(config_.peer_rank) + " (pid " +
