@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,12 @@ class _DurationRecorder:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--record-durations"):
         config.pluginmanager.register(_DurationRecorder(config.getoption("--record-durations")))
+    if config.getoption("--shard"):
+        # Shards side by side share the cores: what a shard computes in its own process (a bench script's main(), a
+        # reference model) on more threads than its share had OpenMP's threads waiting for each other's time slices
+        # (recompute_memory's smoke, 2 cores, beside 2 busy processes: 40 s on 2 threads, 8 s on 1). Ranks run on 1.
+        _, count = _parse_shard(config.getoption("--shard"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // count))
 
 
 def _parse_shard(text: str) -> tuple[int, int]:

@@ -127,6 +127,8 @@ def run_ranks(world_size: int, fn: Callable, tmp_path: Path, *args, timeout: flo
     for process in processes:
         process.start()
     outcomes: dict[int, object] = {}
+    exited: set[int] = set()  # ranks seen exited without a result, given one more wait for what they sent
+    hung: list[int] = []
     deadline = time.monotonic() + timeout
     try:
         while len(outcomes) < world_size:
@@ -134,12 +136,12 @@ def run_ranks(world_size: int, fn: Callable, tmp_path: Path, *args, timeout: flo
                 rank, status, payload = results.get(timeout=0.2)
             except queue.Empty:
                 if prepare is None:
-                    _collect_exits(processes, outcomes, may_exit)
+                    _collect_exits(processes, outcomes, may_exit, exited)
                 elif processes[0].exitcode not in (None, 0):
                     raise AssertionError(f"the process forking the ranks exited with code {processes[0].exitcode}")
                 if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(outcomes))
-                    raise AssertionError(f"ranks {missing} gave no result within {timeout:g} s (hang?)") from None
+                    hung = sorted(set(range(world_size)) - set(outcomes))
+                    raise AssertionError(f"ranks {hung} gave no result within {timeout:g} s (hang?)") from None
                 continue
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{payload}" if rank >= 0 else payload)
@@ -150,8 +152,9 @@ def run_ranks(world_size: int, fn: Callable, tmp_path: Path, *args, timeout: flo
                 continue
             outcomes[rank] = payload
     finally:
-        for process in processes:
-            process.join(timeout=5)
+        for index, process in enumerate(processes):
+            # A hung rank is killed at once: it had its whole timeout (the forking process holds every rank).
+            process.join(timeout=0 if hung and (prepare is not None or index in hung) else 5)
             if process.is_alive():
                 if prepare is not None:
                     with contextlib.suppress(ProcessLookupError):
@@ -190,20 +193,19 @@ def _fork_ranks(world_size: int, store_path: str | int, process_group: str, resu
         del children[pid]
 
 
-def _collect_exits(processes, outcomes: dict, may_exit: frozenset) -> None:
+def _collect_exits(processes, outcomes: dict, may_exit: frozenset, exited: set[int]) -> None:
     """Ranks that exited without a result: allowed ones yield their exit code, others fail the test."""
     for rank, process in enumerate(processes):
         if rank in outcomes or process.exitcode is None:
             continue
-        # A result sent just before exiting can still be in the queue's pipe; give it a moment.
-        if time.monotonic() - _exit_seen.setdefault((id(process), rank), time.monotonic()) < 1.0:
+        # A result sent just before exiting can still be in the queue's pipe, whole (a rank flushes its queue before
+        # it exits): the next wait takes it. A rank seen exited twice, with the queue empty in between, sent none.
+        if rank not in exited:
+            exited.add(rank)
             continue
         if rank not in may_exit:
             raise AssertionError(f"rank {rank} exited with code {process.exitcode} without a result")
         outcomes[rank] = process.exitcode
-
-
-_exit_seen: dict = {}
 
 
 NEEDS_CUDA_REASON = "needs a GPU and a CUDA build of pipecomm"  # conftest marks these tests `cuda`

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -368,26 +369,74 @@ dist.destroy_process_group()
 """
 
 
+class _Launcher:
+    """tests/launcher.py serving the exit tests of this module: its imports are paid once, while the first test's
+    torchrun runs, instead of once per test after it."""
+
+    def __init__(self, log: Path):
+        self.log = log
+        self.process = None
+
+    def run(self, script: Path, runs: int, timeout: float) -> str:
+        """'ok', or what failed: the failed ranks' runs and statuses, then the launcher's standard error meanwhile."""
+        self.start()
+        seen = self.log.stat().st_size
+        self.process.stdin.write(f"{runs} {script}\n")
+        self.process.stdin.flush()
+        answer = ""
+        if select.select([self.process.stdout], [], [], timeout)[0]:
+            answer = self.process.stdout.readline().strip()
+        if not answer:
+            # Killed, so that the next test gets a launcher of its own instead of this one's late answer.
+            self.process.kill()
+            answer = f"no answer within {timeout:g} s (launcher exit status {self.process.wait()})"
+        if answer == "ok":
+            return answer
+        with self.log.open() as log:
+            log.seek(seen)
+            return f"{answer}\n{log.read()[-3000:]}"
+
+    def start(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            with self.log.open("a") as log:
+                self.process = subprocess.Popen(
+                    [sys.executable, str(Path(__file__).parent / "launcher.py"), "--nproc", "2"], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.stdin.close()  # the end of its input: it exits
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory):
+    serving = _Launcher(tmp_path_factory.mktemp("launcher") / "stderr")
+    serving.start()
+    yield serving
+    serving.close()
+
+
 @pytest.mark.parametrize(("close", "runs"), [("pipe.close()", 9),
                                              ("# the Pipeline is left open: the atexit hook closes it", 4)])
-def test_a_correct_script_exits_cleanly(tmp_path, close, runs):
+def test_a_correct_script_exits_cleanly(tmp_path, launcher, close, runs):
     """gloo's worker threads must hold nothing of Python's once the interpreter finalizes: before the fix, 2 to 3
     runs of 12 aborted with SIGABRT ("terminate called without an active exception"). Once under torchrun, as a user
     launches it, then ``runs`` more times on ranks forked from one launcher (tests/launcher.py): the same script and
     the same interpreter exit, without torchrun's agent and the imports that made each launch cost 8 s of CPU."""
     script = tmp_path / "script.py"
     script.write_text(EXIT_SCRIPT.format(close=close))
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
-        capture_output=True, text=True, timeout=120, env=environment,
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert torchrun.returncode == 0, f"torchrun: exit {torchrun.returncode}\n{torchrun.stderr[-3000:]}"
-    forked = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "launcher.py"), "--nproc", "2", "--runs", str(runs), str(script)],
-        capture_output=True, text=True, timeout=10 * runs + 60, env=environment,
-    )
-    assert forked.returncode == 0, f"exit {forked.returncode}\n{forked.stderr[-3000:]}"
+    answer = launcher.run(script, runs, timeout=10 * runs + 60)
+    assert answer == "ok", answer
 
 
 class _SlowWork:
