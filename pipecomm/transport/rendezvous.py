@@ -66,6 +66,7 @@ class Rendezvous:
             return self.store.get(key)
         # check() and a short sleep rather than wait() slices, which TCPStore logs a warning for each time.
         deadline = time.monotonic() + self.timeout.total_seconds()
+        pause = 0.001  # a peer a moment behind is found at once; one far behind costs two store round trips each 0.1 s
         while not self.store.check([key]):
             reason = self.peer_failure()
             if reason:
@@ -73,7 +74,8 @@ class Rendezvous:
                                    f"stopped waiting for rank {self.peer_rank} to publish {name!r}: {reason}")
             if time.monotonic() >= deadline:
                 raise self._timed_out(name)
-            time.sleep(0.1)  # two store round trips a turn: few enough for thousands of ranks connecting at once
+            time.sleep(pause)  # few enough round trips for thousands of ranks connecting at once
+            pause = min(2 * pause, 0.1)
         return self.store.get(key)
 
     def _timed_out(self, name: str) -> ChannelTimeoutError:
