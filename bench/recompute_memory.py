@@ -12,7 +12,8 @@ and one forward in turn, then the last backwards; random output gradients). The 
 the time the stage waits for them in a pipeline is timed both ways: "alone" runs the passes back to back, "in the
 pipeline" idles the GPU before each pass (a sleep kernel) as long as the simulated 1F1B step, at this mode's
 measured F and B on every stage, has stage 0 wait there. Offload hides its copies in those waits, so only the
-second says what it costs. At its peak the stage holds p micro-batches between forward and backward. Each forward sends nothing but has its output freed as the executor frees a sent output (when
+second says what it costs. At its peak the stage holds p micro-batches between forward and backward. Each
+forward sends nothing but has its output freed as the executor frees a sent output (when
 nothing autograd saved shares its storage), so the memory is what the pipeline keeps.
 Modes: none; stage (``recompute=True``: each stage forward recomputed during its backward); layers (the callable
 picking each GPT block or Llama decoder layer); offload (the saved activations the plan picks go to pinned host
