@@ -6,8 +6,8 @@ schedule says: in 1F1B the first stage's oldest waits about 2(p - 1) passes; in 
 the W pass wait again between I and W. A copy engine can move them to host memory meanwhile and another bring them
 back, without slowing the compute, when the wait holds both copies. The plan takes the simulated timeline of the
 schedule, keeps the waits that hold both copies (each direction one copy at a time, as one copy engine runs them)
-and, of those, the ones the rank's peak needs away, starts each copy back as late as it can and still be done when the pass that reads it starts, and gives the
-runtime the action before which to start it.
+and, of those, the ones the rank's peak needs away, starts each copy back as late as it can and still be done when
+the pass that reads it starts, and gives the runtime the action before which to start it.
 """
 
 from __future__ import annotations
