@@ -17,7 +17,8 @@ slowest stage), the ideal 1F1B efficiency m / (m + p - 1), and each rank's peak 
 plus the free part of the graphs' private memory pools, which their replays reuse).
 
 Schedules: pipecomm gpipe, 1f1b, interleaved-1f1b (v=2), zb-h1, zb-v, zb-h2, auto, and 1f1b, interleaved-1f1b,
-zb-h1 and zb-v with CUDA graphs (Pipeline(cuda_graphs=True), rows "+graphs"), and torch.distributed.pipelining's
+zb-h1 and zb-v with CUDA graphs (Pipeline(cuda_graphs=True), rows "+graphs"), 1f1b eager (cuda_graphs=False, row
+"1f1b+eager"; a plain row is the default, cuda_graphs="auto", graphs where they pay), and torch.distributed.pipelining's
 ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2), ScheduleInterleavedZeroBubble (v=2),
 ScheduleZBVZeroBubble and ScheduleDualPipeV (V) through PipelineStage, all in the same run. A schedule that
 fails, or a torch schedule this torch lacks, is reported as an error string. "auto" (Pipeline(schedule="auto"))
@@ -68,10 +69,12 @@ from _common import RankFailure, environment, print_environment, print_table, sp
 VIRTUAL = 2  # chunks per rank for the interleaved schedules
 
 GRAPHS = "+graphs"  # suffix: the same schedule with Pipeline(cuda_graphs=True)
+EAGER = "+eager"  # suffix: with Pipeline(cuda_graphs=False); a plain row is the default, cuda_graphs="auto"
 TRANSPORT = "@"  # "1f1b@dist": the schedule with Pipeline(transport="dist") (--transport)
 TRANSPORTS = ("auto", "shm", "dist", "ipc")
 AUTO = "auto"  # Pipeline(schedule="auto"): zb-h1 while it measures F, I and W, then its plan
-PIPECOMM_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "zb-h2", AUTO, "1f1b" + GRAPHS,
+PIPECOMM_SCHEDULES = ["gpipe", "1f1b", "1f1b" + EAGER, "interleaved-1f1b", "zb-h1", "zb-v", "zb-h2", AUTO,
+                      "1f1b" + GRAPHS,
                       "interleaved-1f1b" + GRAPHS, "zb-h1" + GRAPHS, "zb-v" + GRAPHS]
 # torch rows whose schedule pipecomm also generates, for the theoretical bubble (torch's zero-bubble
 # schedules are different ones).
@@ -176,8 +179,8 @@ def build_chunk(layers: range, config: Config, device: torch.device, dtype: torc
 
 
 def base_schedule(row_name: str) -> str:
-    """A pipecomm row's schedule name without its +graphs and @transport suffixes."""
-    return row_name.partition(TRANSPORT)[0].removesuffix(GRAPHS)
+    """A pipecomm row's schedule name without its +graphs, +eager and @transport suffixes."""
+    return row_name.partition(TRANSPORT)[0].removesuffix(GRAPHS).removesuffix(EAGER)
 
 
 def layout_of(row_name: str) -> str:
@@ -365,8 +368,8 @@ class Rank:
         import pipecomm
 
         schedule, _, backend = schedule.partition(TRANSPORT)
-        cuda_graphs = schedule.endswith(GRAPHS)
-        schedule = schedule.removesuffix(GRAPHS)
+        cuda_graphs = True if schedule.endswith(GRAPHS) else False if schedule.endswith(EAGER) else "auto"
+        schedule = schedule.removesuffix(GRAPHS).removesuffix(EAGER)
         stage_ranks = placement(layout_of(schedule), self.args.ranks)
         held = chunk_layers(stage_ranks, self.rank, self.args.layers)
         modules = [build_chunk(layers, config, self.device, self.dtype) for _, layers in held]
@@ -463,6 +466,8 @@ class Rank:
             self.synchronize()
             samples, wall_ms = self.time_steps(step, self.args.warmup, self.args.steps)
             result.update(step_ms=samples, wall_ms=wall_ms, peak_gb=self.peak_gb())
+            if pipe is not None:
+                result["cuda_graph_states"] = pipe.cuda_graph_states
             if self.args.trace and pipe is not None:
                 # The last timed step, at the GPU's times (device_timing) when on GPUs.
                 pipe.trace(str(Path(self.args.trace) / f"{config.name}-{name}.json"))

@@ -1,7 +1,7 @@
 """Host cost: CPU time of the host per action and per step, pipecomm's executor against torch.distributed.pipelining.
 
 Both run the same stage modules (same weights, same data) on 2 ranks, one stage each: torch's PipelineStage with
-Schedule1F1B, and pipecomm's Pipeline with 1f1b and zb-h1. Each row times, on every rank, the CPU time of the
+Schedule1F1B, and pipecomm's Pipeline with 1f1b (as built with no speed flags, and eager: cuda_graphs=False) and zb-h1. Each row times, on every rank, the CPU time of the
 thread that runs the step (time.thread_time: the host work that issues the kernels, which a host-bound step waits
 for) and of the whole process (time.process_time: gloo's and NCCL's own threads too), per step, and, per call,
 of each action, exclusive of the actions and losses it calls:
@@ -49,7 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import environment, print_environment, print_table, spawn_ranks, start_rank, write_json  # noqa: E402
 
-ROWS = ("torch 1F1B", "pipecomm 1f1b", "pipecomm zb-h1")
+# "pipecomm 1f1b" is the Pipeline as built with no speed flags (cuda_graphs="auto": graphed from the third step on
+# GPUs, within the warm-up); "eager" rows pass cuda_graphs=False.
+ROWS = ("torch 1F1B", "pipecomm 1f1b", "pipecomm 1f1b eager", "pipecomm zb-h1")
 # Not run by default (``--rows``): each rank's stage work alone, a gradient-accumulation loop with no pipeline,
 # the floor under any schedule's step on that rank.
 EXTRA_ROWS = ("stage alone",)
@@ -235,9 +237,10 @@ def pipecomm_runner(row: str, module: nn.Module, rank: int, shape: Shape, loss_f
 
     for name, kind in PIPECOMM_ACTIONS.items():
         meter.wrap(StageExecutor, name, kind)
+    words = row.split()
     pipe = pipecomm.Pipeline(module, stage=rank, num_stages=2, loss_fn=loss_fn, micro_batches=shape.micro_batches,
-                             schedule=row.split()[1], device=device, transport="ipc" if args.share_gpu else "auto",
-                             timeout=float(args.timeout))
+                             schedule=words[1], device=device, transport="ipc" if args.share_gpu else "auto",
+                             timeout=float(args.timeout), cuda_graphs=False if words[2:] == ["eager"] else "auto")
     return pipe.step, pipe.close
 
 
@@ -307,14 +310,15 @@ def measure(row: str, model: str, shape: Shape, module: nn.Module, rank: int, de
             synchronize()
             started = (time.thread_time(), time.process_time(), time.perf_counter())
             step(inputs, target=target)
-            ended = (time.thread_time(), time.process_time(), time.perf_counter())
+            ended = (time.thread_time(), time.process_time())
             meter.active = False
-            synchronize()
+            synchronize()  # the wall time is the step's, the device's work included (graphs return before it ends)
+            finished = time.perf_counter()
             module.zero_grad(set_to_none=True)
             if measured:
                 thread.append(ended[0] - started[0])
                 process.append(ended[1] - started[1])
-                wall.append(ended[2] - started[2])
+                wall.append(finished - started[2])
                 other.append(thread[-1] - (sum(meter.seconds.values()) - metered_before))
         per_call = {kind: meter.seconds[kind] / meter.calls[kind] for kind in ACTIONS if meter.calls.get(kind)}
         calls = {kind: meter.calls[kind] // args.steps for kind in ACTIONS if meter.calls.get(kind)}
@@ -384,8 +388,13 @@ def _median_us(values: list[float]) -> float:
     return statistics.median(values) * 1e6
 
 
-def model_shape(model: str, mode: str, micro_batches: int | None) -> Shape:
+def model_shape(model: str, mode: str, micro_batches: int | None, size: str = "") -> Shape:
+    """The model's shape for the mode, with ``--micro-batches``'s count and ``--size``'s hidden, seq, micro-batch size
+    and count where given."""
     shape = SHAPES[("cpu" if mode != "gpu" else "gpu", model)]
+    if size:
+        hidden, seq, micro_batch_size, count = (int(value) for value in size.split(","))
+        shape = replace(shape, hidden=hidden, seq=seq, micro_batch_size=micro_batch_size, micro_batches=count)
     return shape if micro_batches is None else replace(shape, micro_batches=micro_batches)
 
 
@@ -411,7 +420,7 @@ def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any]
         env["threads_per_rank"] = torch.get_num_threads()
     for model in args.model_list:
         for micro_batches in args.micro_batch_list or [None]:
-            shape = model_shape(model, args.mode, micro_batches)
+            shape = model_shape(model, args.mode, micro_batches, args.size)
             module = build_stage(model, shape, rank, device, dtype)
             for row in args.row_list:
                 report(measure(row, model, shape, module, rank, device, args))
@@ -464,6 +473,8 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {', '.join(MODELS)}")
     parser.add_argument("--micro-batches", default="",
                         help="e.g. 8,32: each model once per micro-batch count (default: its shape's)")
+    parser.add_argument("--size", default="", metavar="HIDDEN,SEQ,MB,M",
+                        help="every model at this hidden size, sequence length, micro-batch size and count")
     parser.add_argument("--rows", default=",".join(ROWS),
                         help=f"of {', '.join((*ROWS, *EXTRA_ROWS))} ('_' for a space: torch_1F1B)")
     parser.add_argument("--steps", type=int, default=20)
@@ -496,7 +507,7 @@ def main() -> None:
     tables = {}
     for model in args.model_list:
         for micro_batches in args.micro_batch_list or [None]:
-            shape = model_shape(model, args.mode, micro_batches)
+            shape = model_shape(model, args.mode, micro_batches, args.size)
             name = table_name(model, shape, args)
             print(f"\n{name}: {asdict(shape)} "
                   f"(host CPU time in microseconds; per call for the actions, per step for the rest)")

@@ -43,7 +43,7 @@ from pipecomm.parallel.grad_sync import SharedParameters
 from pipecomm.parallel.mesh import global_rank
 from pipecomm.parallel.sharded_stages import ShardedStages
 from pipecomm.runtime import fail_fast, microbatch, stage_state, step_trace
-from pipecomm.runtime.checks import check_configuration, check_options, module_device, starting_schedule
+from pipecomm.runtime.checks import check_configuration, check_options, graph_mode, module_device, starting_schedule
 from pipecomm.runtime.collectives import PipelineCollectives
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.links import NeighbourLinks
@@ -79,16 +79,24 @@ class Pipeline:
     ``group`` is the pipeline's process group, ordered by stage (default: the whole world);
     ``data_group`` holds this stage's data-parallel replicas, whose gradients are averaged
     (``pipecomm.init`` makes both).
-    ``cuda_graphs=True`` captures each stage's passes as CUDA graphs at the first step and replays them, for models
-    bound by kernel launches; shapes must then stay fixed (not with "auto"). ``device_timing=True`` times compute
-    actions with CUDA events, so that ``bubble_fraction()`` reports the GPU's bubble.
+    ``cuda_graphs="auto"`` (the default) replays each stage's passes as CUDA graphs where that pays and is safe, and
+    changes nothing otherwise: on GPUs, after two steps whose micro-batches had one shape, a stage whose passes the
+    host launches slower than the GPU runs them captures at the third and checks each graph's first replay against an
+    eager run of the same micro-batch (a stage the GPU bounds stays eager: graphs would cost memory for nothing); a
+    micro-batch that does not fit the graphs runs eagerly, and a parameter moved or frozen, a module attribute set
+    anew (``eval()``, a dropout's ``p``) or autocast changed drops them until the shapes hold again. It stays eager, with a one-line warning, where a capture or its check fails, and says nothing
+    where graphs do not apply (CPU, offload, recompute, sharded or tensor-parallel stages). ``cuda_graphs=True``
+    captures at the first step, unchecked, and refuses any change (not with schedule "auto"); False never captures.
+    Graphs keep each in-flight micro-batch's activations in their own memory (docs/using.md, "CUDA graphs").
+    ``device_timing=True`` times compute actions with CUDA events, so that ``bubble_fraction()`` reports the GPU's
+    bubble.
     ``recompute=True`` recomputes each stage's forward during its backward (activation checkpointing),
     keeping only the stage's inputs between the two; a callable ``module -> bool`` checkpoints only the
     submodules it picks (selective recomputation, as Megatron's ``recompute_modules``).
     ``offload=True`` moves saved activations to host memory while they wait for their backward, where the
     schedule leaves time to copy them out and back behind compute, as planned from the first step's measurements
     (with "auto", from its measured steps, for each schedule it runs); an ``OffloadPlan`` made for this schedule is
-    used as it is (docs/offload-recompute.md; ``pipe.offload_plan``). Not with ``cuda_graphs``.
+    used as it is (docs/offload-recompute.md; ``pipe.offload_plan``). Not with ``cuda_graphs=True``.
     """
 
     def __init__(
@@ -106,7 +114,7 @@ class Pipeline:
         transport: str = "auto",
         timeout: float = transport.DEFAULT_TIMEOUT,
         main_grad: bool = False,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | str = "auto",
         device_timing: bool = False,
         recompute: bool | Callable[[nn.Module], bool] = False,
         offload: bool | OffloadPlan = False,
@@ -131,9 +139,11 @@ class Pipeline:
             self.modules = dict(zip(stages, modules))
             self.device = torch.device(device) if device is not None else module_device(modules)
             sharded = self._sharded = ShardedStages(self.modules)
-            check_options(self.device, auto=auto, sharded=bool(sharded), cuda_graphs=cuda_graphs,
+            check_options(self.device, auto=auto, sharded=bool(sharded), cuda_graphs=cuda_graphs is True,
                           device_timing=device_timing, main_grad=main_grad, offload=offload)
-            refit = isinstance(schedule, str) and built_for_costs(schedule) and not cuda_graphs
+            cuda_graphs = graph_mode(cuda_graphs, self.device, modules, sharded=bool(sharded), offload=offload,
+                                     recompute=recompute)
+            refit = isinstance(schedule, str) and built_for_costs(schedule) and cuda_graphs is not True
             timed_on_device = device_timing or ((auto or refit or offload is True) and self.device.type == "cuda")
             self._prepared = PreparedStages(
                 starting, self.rank, self.modules, sharded, loss_fn, self._links.channels, main_grad=main_grad,
@@ -159,6 +169,9 @@ class Pipeline:
     auto_step_times = property(lambda self: self._tuning.auto_step_times,
                                doc='"auto", once settled: each schedule it tried and its median step seconds.')
     offload_plan = property(lambda self: self._tuning.offload_plan, doc="offload=True: the plan in use, once made.")
+    cuda_graph_states = property(lambda self: self._executor.graph_states(),
+                                 doc='Per stage of this rank: "replaying", "to capture", "watching", "eager" (graphs off) '
+                                     'or "eager: " and why it gave graphs up.')
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return itertools.chain.from_iterable(self.modules[stage].parameters() for stage in self.stages)

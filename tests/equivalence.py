@@ -17,6 +17,8 @@ BATCH = 8
 SEQ = 3
 STEPS = 3
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+# The Pipeline's cuda_graphs for each kind of run: "cuda-auto" leaves the default, which adopts graphs from step 3.
+GRAPH_OPTION = {"cpu": "auto", "cuda": False, "cuda-graphs": True, "cuda-auto": "auto"}
 # Every schedule with the fewest ranks that exercise it: (schedule, stages per rank).
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zb-h2", 1), ("zb-v", 2))
 
@@ -63,7 +65,7 @@ def train_like_one_process(rank, world_size, build, make_batch, loss_fn, schedul
         modules = [prepare(module) for module in modules] if prepare else modules
         pipe = pipecomm.Pipeline(modules, stage=mine, num_stages=num_stages, loss_fn=loss_fn,
                                  micro_batches=micro_batches, schedule=schedule, timeout=30,
-                                 cuda_graphs=kind == "cuda-graphs", **options)
+                                 cuda_graphs=GRAPH_OPTION[kind], **options)
         named = [(f"{schedule}, stage {s}: {name}", p) for s in mine for name, p in stages[s].named_parameters()]
         ref_params = [p for s in mine for p in reference[s].parameters()]
         optimizer = torch.optim.AdamW([p for _, p in named], lr=1e-2)
@@ -88,5 +90,7 @@ def train_like_one_process(rank, world_size, build, make_batch, loss_fn, schedul
             ref_optimizer.zero_grad()
         for (name, param), ref_param in zip(named, ref_params):
             torch.testing.assert_close(param.detach().cpu(), ref_param.detach(), **tolerance, msg=name)
+        if kind == "cuda-auto":
+            assert set(pipe.cuda_graph_states.values()) == {"replaying"}, (schedule, pipe.cuda_graph_states)
         pipe.close()
     return "ok"

@@ -212,7 +212,7 @@ def test_host_cost_smoke_meters_every_action_of_both_libraries(tmp_path, run_ben
     report = json.loads((tmp_path / "host.json").read_text())
     for model in ("mha", "llama"):
         rows = {row["runner"]: row for row in report["tables"][model]}
-        assert list(rows) == ["torch 1F1B", "pipecomm 1f1b", "pipecomm zb-h1"]
+        assert list(rows) == ["torch 1F1B", "pipecomm 1f1b", "pipecomm 1f1b eager", "pipecomm zb-h1"]
         assert rows["torch 1F1B"]["vs_torch"] == 1.0
         for name, row in rows.items():
             assert row["thread_us"] > 0 and row["F"] > 0 and row["loss"] > 0 and row["send"] > 0, (model, name)

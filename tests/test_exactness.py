@@ -505,9 +505,11 @@ def test_stages_of_one_process_hand_over_through_the_loopback_alike(scenario):
 
 
 @needs_cuda
-@pytest.mark.parametrize("kind", ["cuda", "cuda-graphs"])
+@pytest.mark.parametrize("kind", ["cuda", "cuda-graphs", "cuda-auto"])
 @pytest.mark.parametrize("scenario", ["lora", "side inputs", "structures"])
 def test_on_gpus_eager_and_replaying_cuda_graphs(tmp_path, scenario, kind):
-    """The same over CUDA IPC, eager and replaying CUDA graphs, with every schedule."""
-    run_ranks(2, train_like_one_process, tmp_path, *SCENARIOS[scenario], SCHEDULES, None, STEPS, 4, None, kind,
+    """The same over CUDA IPC, eager, replaying CUDA graphs from the first step, and by default (graphs adopted at the
+    third step; zb-h2 and zb-v, rebuilt after the first, at the fourth), with every schedule."""
+    steps = 5 if kind == "cuda-auto" else STEPS
+    run_ranks(2, train_like_one_process, tmp_path, *SCENARIOS[scenario], SCHEDULES, None, steps, 4, None, kind,
               timeout=300)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pipecomm.splitting.capture import CapturedStage
 from pipecomm.runtime.compiled_modules import replaying_inductor_graphs
@@ -49,9 +50,22 @@ def check_configuration(modules, stages, num_stages, num_ranks, schedule) -> Non
                              "cuda_graphs=True to the Pipeline for graphs that hold each micro-batch apart")
 
 
+def graph_mode(cuda_graphs, device: torch.device, modules, *, sharded: bool, offload, recompute) -> bool | str:
+    """``cuda_graphs`` as the stages run it: True and False as given; "auto" is False where graphs cannot serve: off a
+    GPU, with offload or recomputation (a graph's pool would keep the memory they free), and on sharded or
+    tensor-parallel stages (whose collectives run between a stage's kernels)."""
+    if cuda_graphs not in (True, False, "auto"):
+        raise ValueError(f'Pipeline: cuda_graphs must be True, False or "auto", not {cuda_graphs!r}')
+    if cuda_graphs != "auto":
+        return cuda_graphs
+    tensor_parallel = any(isinstance(p, DTensor) for module in modules for p in module.parameters())
+    serves = device.type == "cuda" and not (sharded or tensor_parallel or offload is not False or recompute)
+    return "auto" if serves else False
+
+
 def check_options(device: torch.device, *, auto: bool, sharded: bool, cuda_graphs: bool, device_timing: bool,
                   main_grad: bool, offload) -> None:
-    """Options that do not go together, or not with the stages' device."""
+    """Options that do not go together, or not with the stages' device (``cuda_graphs``: graphs asked for, True)."""
     if not isinstance(offload, (bool, OffloadPlan)):
         raise ValueError(f"Pipeline: offload must be True, False or a pipecomm OffloadPlan, not {offload!r}")
     if offload is not False and cuda_graphs:

@@ -4,12 +4,17 @@ A small model's stage is bound by the host launching its kernels one by one. Wit
 each stage's forward (with the loss, on the last stage) and backward are captured once and then
 replayed. A graph's activations live in its own memory, so a stage gets one pair of graphs per
 micro-batch it can hold in flight (the schedule says how many), used round-robin.
+
+A replay reads what the capture saw: the tensors' addresses and every Python value the forward read then. So a
+capture can be checked (``checked=True``: each slot's first replay against an eager run of the same micro-batch, the
+same random numbers, gradients probed with the same noise), and ``changed_since_capture`` names what the graphs can no
+longer see (parameters moved or frozen, modules switched between train and eval, autocast turned on or off).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -22,6 +27,28 @@ from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradSt
 __all__: list[str] = []
 
 _WARMUP_ITERATIONS = 2  # eager runs on a side stream before capture, so lazy initialisation stays out of the graph
+# A replay checked against eager may differ by the atomics' order in some backward kernels (attention's, index_add's):
+# largest difference allowed, relative to the eager tensor's largest entry. Stale values from a capture differ by far
+# more.
+_CHECK_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 2e-2}
+_CHECK_TOLERANCE_DEFAULT = 1e-3
+
+
+_STATE_PARTS = ("parameter objects", "parameters' memory", "parameters' requires_grad", "buffers' memory",
+                "autocast and grad mode")
+_MISSING = object()
+
+
+def _plain(value: object) -> bool:
+    return value is None or type(value) in (bool, int, float, str, torch.dtype)
+
+
+def _same_value(now: object, then: object) -> bool:
+    return now is then or (type(now) is type(then) and now == then)
+
+
+class GraphCheckError(RuntimeError):
+    """A captured graph's first replay differed from an eager run of the same micro-batch."""
 
 
 def in_flight_slots(schedule: Schedule, rank: int, stage: int) -> int:
@@ -63,33 +90,78 @@ class GraphedStage:
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], slots: int, stage: int,
-                 loss: Callable | None, weight_grad_store: WeightGradStore | None = None):
+                 loss: Callable | None, weight_grad_store: WeightGradStore | None = None, checked: bool = False):
         self.module = module
         self.params = params
         self.stage = stage
         self.num_slots = slots
         self.loss = loss  # (output, *targets) -> scaled loss, on the last stage
         self.store = weight_grad_store
+        self.checked = checked
         self.output_layout: boundary.Layout | None = None  # the output structure without its tensors, from the capture
-        self._trainable: tuple[bool, ...] = ()  # each parameter's requires_grad at the capture
+        self._captured_state: tuple = ()  # what the replays read beside their inputs, as the capture saw it
+        self._attributes: list[tuple[nn.Module, str, object]] = []  # every module's plain-valued attributes then
         self._slots: list[_Slot] = []
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._slots)
 
     def forward(self, micro_batch: int, args: tuple, targets: tuple, kwargs: dict | None = None) -> tuple:
         """Replays the slot's forward on copies of the inputs (any pytrees); returns the output's tensors (the
         1-tuple of the loss on the last stage): the slot's static outputs, detached, requiring grad where the
-        captured outputs do. ``output_layout`` makes them the output structure again."""
-        inputs, target_leaves = boundary.flatten((args, kwargs or {})), boundary.flatten(targets)
+        captured outputs do. ``output_layout`` makes them the output structure again. Captures at the first call."""
+        return self.replay(micro_batch, boundary.flatten((args, kwargs or {})), boundary.flatten(targets))
+
+    def replay(self, micro_batch: int, inputs: boundary.Flat, targets: boundary.Flat) -> tuple:
+        """``forward`` on inputs and targets already taken apart."""
         if not self._slots:
-            self._capture(inputs, target_leaves)
-        if tuple(p.requires_grad for p in self.params) != self._trainable:
-            raise ValueError(f"cuda_graphs: stage {self.stage}: parameters were frozen or unfrozen after the graphs "
-                             "were captured at the first step, which replay the gradients captured; build a new "
-                             "Pipeline")
+            self._capture(inputs, targets)
+        mismatch = self.mismatch(inputs, targets)
+        if mismatch:
+            raise ValueError(f"cuda_graphs: stage {self.stage}, micro-batch {micro_batch}: {mismatch}; CUDA graphs "
+                             "need static shapes")
+        return self.replay_fitting(micro_batch, inputs, targets)
+
+    def replay_fitting(self, micro_batch: int, inputs: boundary.Flat, targets: boundary.Flat) -> tuple:
+        """``replay`` of a micro-batch known to fit the captured graphs (``mismatch`` said None)."""
         slot = self._slots[micro_batch % self.num_slots]
-        self._copy_in(slot.inputs, inputs, "input", micro_batch)
-        self._copy_in(slot.targets, target_leaves, "target", micro_batch)
+        _copy_in(slot.inputs, inputs)
+        _copy_in(slot.targets, targets)
         slot.forward.replay()
         return tuple(t.detach().requires_grad_(t.requires_grad) for t in slot.outputs)
+
+    def mismatch(self, inputs: boundary.Flat, targets: boundary.Flat) -> str | None:
+        """How a micro-batch's inputs or targets differ from those the graphs were captured with, or None."""
+        slot = self._slots[0]
+        for what, static, values in (("input", slot.inputs, inputs), ("target", slot.targets, targets)):
+            layout = boundary.layout_mismatch(values.layout, static.layout)
+            if layout:
+                return f"the {what}s differ from those the graphs were captured with: {layout}"
+            for index, (target, value) in enumerate(zip(static.tensors, values.tensors)):
+                if value.shape != target.shape or value.dtype != target.dtype or value.device != target.device:
+                    return (f"{what} tensor {index} is {(tuple(value.shape), value.dtype, str(value.device))}, but the "
+                            f"graphs were captured for {(tuple(target.shape), target.dtype, str(target.device))}")
+        return None
+
+    def changed_since_capture(self) -> str | None:
+        """What the replays would miss that changed since the capture (None: nothing): a parameter or buffer moved to
+        other memory, a parameter frozen or unfrozen, a module attribute of a plain value set anew (``training``, a
+        dropout's ``p``, a temperature), autocast or grad mode changed. Cheap enough for every step: a few reads per
+        parameter, buffer and attribute."""
+        now = self._state()
+        changed = [name for name, old, new in zip(_STATE_PARTS, self._captured_state, now) if old != new]
+        changed += [f"{type(module).__name__}.{name} (was {value!r})" for module, name, value in self._attributes
+                    if not _same_value(module.__dict__.get(name, _MISSING), value)]
+        if not changed:
+            return None
+        return f"stage {self.stage}'s {', '.join(changed)} changed since the CUDA graphs were captured"
+
+    def _state(self) -> tuple:
+        params = list(self.module.parameters())
+        return (tuple(map(id, params)) == tuple(map(id, self.params)), tuple(p.data_ptr() for p in params),
+                tuple(p.requires_grad for p in params), tuple(b.data_ptr() for b in self.module.buffers()),
+                (torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")))
 
     def backward(self, micro_batch: int, grads: tuple | None) -> tuple[list, list]:
         """Replays the slot's backward for the outputs' ``grads`` (None: the loss's, captured as 1); returns
@@ -132,43 +204,98 @@ class GraphedStage:
         return flat.tensors
 
     def _capture(self, inputs: boundary.Flat, targets: boundary.Flat) -> None:
+        """Warm-up runs, then each slot's capture; with ``checked``, each slot's replay against the last warm-up.
+        The module's buffers (batch norm's running statistics) are restored afterwards: these extra runs are no
+        training step's. On failure the current stream is restored and no slot is kept."""
         device = inputs.tensors[0].device
         autocast = (
             torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
             if torch.is_autocast_enabled("cuda")
             else contextlib.nullcontext()
         )
-        self._trainable = tuple(p.requires_grad for p in self.params)
+        buffers = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
+        stream, random_state = torch.cuda.current_stream(device), torch.cuda.get_rng_state(device)
+        try:
+            reference, random_state = self._warm_up(inputs, targets, autocast, device)
+            for _ in range(self.num_slots):
+                self._slots.append(self._capture_slot(inputs, targets, autocast))
+            if self.checked:
+                self._check_replays(reference, random_state, device)
+        except BaseException:
+            self._slots = []
+            torch.cuda.set_stream(stream)  # a failed capture leaves its own stream current
+            _release_random_state(device, random_state)
+            raise
+        finally:
+            with torch.no_grad():
+                for buffer, value in buffers:
+                    buffer.copy_(value)
+        self._captured_state = self._state()
+        self._attributes = [(module, name, value) for module in self.module.modules()
+                            for name, value in vars(module).items() if _plain(value)]
+
+    def _warm_up(self, inputs: boundary.Flat, targets: boundary.Flat, autocast, device) -> tuple[tuple, torch.Tensor]:
+        """Eager runs on a side stream; the last one's results (outputs, input and parameter gradients, W's) for the
+        probe gradients, and the random state it started from."""
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), autocast:
             static_inputs, static_targets = _static_copy(inputs, self.stage > 0), _static_copy(targets, False)
             for _ in range(_WARMUP_ITERATIONS):
+                random_state = torch.cuda.get_rng_state(device)
                 deferrals = [] if self.store else None
                 outputs = self._run(static_inputs, static_targets, deferrals)
-                grad_outputs = [torch.ones_like(t) for t in outputs if t.requires_grad]
-                _, deferred = self._input_pass(outputs, grad_outputs, static_inputs.tensors, deferrals)
-                if self.store:
-                    self._weight_pass(deferred)
+                grads, deferred = self._input_pass(outputs, self._probe(outputs), static_inputs.tensors, deferrals)
+                weight_grads = self._weight_pass(deferred) if self.store else None
+            reference = (_detached(outputs), *(_detached(g) for g in self._align(grads, static_inputs.tensors)),
+                         _detached(weight_grads or []))
         torch.cuda.current_stream(device).wait_stream(side)
-        for _ in range(self.num_slots):
-            static_inputs, static_targets = _static_copy(inputs, self.stage > 0), _static_copy(targets, False)
-            pool = torch.cuda.graph_pool_handle()
-            forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            weights = torch.cuda.CUDAGraph() if self.store else None
-            deferrals = [] if self.store else None
-            with autocast:
-                with torch.cuda.graph(forward, pool=pool, capture_error_mode="thread_local"):
-                    outputs = self._run(static_inputs, static_targets, deferrals)
-                grad_outputs = [torch.ones_like(t) for t in outputs if t.requires_grad]
-                with torch.cuda.graph(backward, pool=pool, capture_error_mode="thread_local"):
-                    grads, deferred = self._input_pass(outputs, grad_outputs, static_inputs.tensors, deferrals)
-                weight_grads = None
-                if weights is not None:
-                    with torch.cuda.graph(weights, pool=pool, capture_error_mode="thread_local"):
-                        weight_grads = self._weight_pass(deferred)
-            self._slots.append(_Slot(static_inputs, static_targets, outputs, grad_outputs, forward, backward,
-                                     *self._align(grads, static_inputs.tensors), weights, weight_grads))
+        return reference, random_state
+
+    def _capture_slot(self, inputs: boundary.Flat, targets: boundary.Flat, autocast) -> _Slot:
+        static_inputs, static_targets = _static_copy(inputs, self.stage > 0), _static_copy(targets, False)
+        pool = torch.cuda.graph_pool_handle()
+        forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        weights = torch.cuda.CUDAGraph() if self.store else None
+        deferrals = [] if self.store else None
+        with autocast:
+            with torch.cuda.graph(forward, pool=pool, capture_error_mode="thread_local"):
+                outputs = self._run(static_inputs, static_targets, deferrals)
+            grad_outputs = self._probe(outputs)
+            with torch.cuda.graph(backward, pool=pool, capture_error_mode="thread_local"):
+                grads, deferred = self._input_pass(outputs, grad_outputs, static_inputs.tensors, deferrals)
+            weight_grads = None
+            if weights is not None:
+                with torch.cuda.graph(weights, pool=pool, capture_error_mode="thread_local"):
+                    weight_grads = self._weight_pass(deferred)
+        return _Slot(static_inputs, static_targets, outputs, grad_outputs, forward, backward,
+                     *self._align(grads, static_inputs.tensors), weights, weight_grads)
+
+    def _probe(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of the differentiable outputs a warm-up and a checked replay both use: the loss's own (1), or
+        the same noise for every output of a stage sent on (ones would hide a transposed or mixed-up gradient)."""
+        if self.loss is not None:
+            return [torch.ones_like(t) for t in outputs if t.requires_grad]
+        generator = torch.Generator(outputs[0].device).manual_seed(0)
+        return [torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator)
+                for t in outputs if t.requires_grad]
+
+    def _check_replays(self, reference: tuple, random_state: torch.Tensor, device: torch.device) -> None:
+        """Each slot replayed on the capture's micro-batch, from the random state the eager run started at, equals
+        that run: its outputs, input gradients, parameter gradients and W's, to the atomics' noise."""
+        for index, slot in enumerate(self._slots):
+            torch.cuda.set_rng_state(random_state, device)
+            for static, probe in zip(slot.grad_outputs, self._probe(slot.outputs)):
+                static.copy_(probe)
+            slot.forward.replay()
+            slot.backward.replay()
+            if slot.weights is not None:
+                slot.weights.replay()
+            replayed = (slot.outputs, slot.input_grads, slot.param_grads, slot.weight_grads or [])
+            difference = _largest_difference(replayed, reference)
+            if difference:
+                raise GraphCheckError(f"stage {self.stage}: the first replay of CUDA graph slot {index} differs from "
+                                      f"an eager run of the same micro-batch: {difference}")
 
     def _input_pass(self, outputs: list, grad_outputs: list, inputs: list,
                     deferrals: list[Deferral] | None) -> tuple[tuple, list[DeferredGrad]]:
@@ -203,19 +330,44 @@ class GraphedStage:
         input_grads = [next(produced) if t.requires_grad else None for t in inputs]
         return input_grads, [next(produced) if p.requires_grad else None for p in self.params]
 
-    def _copy_in(self, static: boundary.Flat, values: boundary.Flat, what: str, micro_batch: int) -> None:
-        mismatch = boundary.layout_mismatch(values.layout, static.layout)
-        if mismatch:
-            raise ValueError(f"cuda_graphs: stage {self.stage}, micro-batch {micro_batch}: the {what}s differ from "
-                             f"those the graphs were captured with: {mismatch}")
-        for index, (target, value) in enumerate(zip(static.tensors, values.tensors)):
-            if value.shape != target.shape or value.dtype != target.dtype:
-                raise ValueError(
-                    f"cuda_graphs: stage {self.stage}, micro-batch {micro_batch}: {what} tensor {index} is "
-                    f"{(tuple(value.shape), value.dtype)}, but the graphs were captured for "
-                    f"{(tuple(target.shape), target.dtype)}; CUDA graphs need static shapes"
-                )
-            target.detach().copy_(value)  # the static input is an autograd leaf
+def _release_random_state(device: torch.device, state: torch.Tensor) -> None:
+    """The device's default generator as it was before a capture that failed: a capture that ends in an error leaves
+    the generator's state marked as capturing, and every later random op would raise. A new state replaces it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    generator = torch.cuda.default_generators[index]
+    generator.graphsafe_set_state(torch.Generator(device=torch.device("cuda", index)).graphsafe_get_state())
+    torch.cuda.set_rng_state(state, device)
+
+
+def _copy_in(static: boundary.Flat, values: boundary.Flat) -> None:
+    for target, value in zip(static.tensors, values.tensors):
+        target.detach().copy_(value)  # the static input is an autograd leaf
+
+
+def _detached(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    return [None if t is None else t.detach().clone() for t in tensors]
+
+
+_RESULTS = ("output", "input gradient", "parameter gradient", "deferred weight gradient")
+
+
+def _largest_difference(replayed: tuple, reference: tuple) -> str | None:
+    """The first replayed tensor off its eager twin by more than the tolerance (relative to the twin's largest
+    entry), described; None where every one agrees. One synchronization for all of them."""
+    pairs, named = [], []
+    for kind, got_list, want_list in zip(_RESULTS, replayed, reference):
+        for index, (got, want) in enumerate(zip(got_list, want_list)):
+            if (got is None) != (want is None):
+                return f"{kind} {index} is {'missing' if got is None else 'present'} in the replay only"
+            if got is not None and got.numel():
+                pairs.append(torch.stack([(got.float() - want.float()).abs().max(), want.float().abs().max()]))
+                named.append((f"{kind} {index}", _CHECK_TOLERANCE.get(want.dtype, _CHECK_TOLERANCE_DEFAULT)))
+    if not pairs:
+        return None
+    for (name, tolerance), (difference, largest) in zip(named, torch.stack(pairs).tolist()):
+        if not difference <= tolerance * largest:  # NaN fails too
+            return f"{name}: largest difference {difference:.3g} where the largest entry is {largest:.3g}"
+    return None
 
 
 def _static_copy(values: boundary.Flat, differentiable: bool) -> boundary.Flat:

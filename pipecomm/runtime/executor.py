@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from pipecomm.runtime import boundary
-from pipecomm.runtime.cuda_graphs import in_flight_slots
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.microbatch import check_received_batch, check_target_batch
@@ -18,7 +17,8 @@ from pipecomm.runtime.offload import ActivationOffloader
 from pipecomm.schedules.schedule import Action, Schedule, forward_schedule
 from pipecomm.schedules.validation import validate
 from pipecomm.runtime.split_backward import WeightGradStore
-from pipecomm.runtime.stage_runner import EagerStage, make_runner
+from pipecomm.runtime.graph_runner import GraphRunner, make_runner
+from pipecomm.runtime.stage_runner import EagerStage
 from pipecomm.runtime.stage_transfers import StageTransfers
 from pipecomm.transport.channel import Channel
 
@@ -39,7 +39,7 @@ class StageExecutor:
         loss_fn: Callable,
         on_stage_backward_done: Callable[[int], None] | None = None,
         weight_grad_store: WeightGradStore | None = None,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | str = False,
         device_timeline: DeviceTimeline | None = None,
     ):
         self.schedule = schedule
@@ -53,9 +53,8 @@ class StageExecutor:
         for stage, module in modules.items():
             loss = self._scaled_loss if stage == self.last_stage else None
             store = weight_grad_store if schedule.splits_backward(rank, stage) else None
-            # Graphed ones are built (and the schedule checked) here, before any communication; captured at the first F.
-            self.stages[stage] = make_runner(module, sinks[stage], stage, loss, store, rank,
-                                             in_flight_slots(schedule, rank, stage) if cuda_graphs else None)
+            # Graphed ones are built (and the schedule checked) here, before any communication; captured at an F.
+            self.stages[stage] = make_runner(module, sinks[stage], stage, loss, store, rank, schedule, cuda_graphs)
         self.timeline: list[tuple[float, float, Action]] = []
         self.offloader: ActivationOffloader | None = None
         self._reloads: dict[int, list] = {}  # action index -> the waits whose copies back start before it
@@ -71,10 +70,22 @@ class StageExecutor:
         ``weight_grad_store``, the others to none; without ``device_timing``, no device timeline."""
         self.schedule = schedule
         for stage, runner in self.stages.items():
-            runner.weight_grad_store = weight_grad_store if schedule.splits_backward(self.rank, stage) else None
+            runner.adopt_schedule(schedule, weight_grad_store if schedule.splits_backward(self.rank, stage) else None)
         if not device_timing:
             self.device_timeline = None
         self.set_offload(None, {})  # an offload plan is one schedule's
+
+    def hold_graphs(self, held: bool) -> None:
+        """While ``held``, stages adopting CUDA graphs by themselves (``cuda_graphs="auto"``) run eagerly: the steps
+        being measured for a schedule must not pay a capture, nor some be graphed and others not."""
+        for runner in self.stages.values():
+            if isinstance(runner, GraphRunner):
+                runner.held = held
+
+    def graph_states(self) -> dict[int, str]:
+        """Each stage's CUDA graphs: ``GraphRunner.state``, or "eager" where the stage never captures."""
+        return {stage: runner.state if isinstance(runner, GraphRunner) else "eager"
+                for stage, runner in self.stages.items()}
 
     def set_offload(self, offloader: ActivationOffloader | None, reloads: dict[int, list]) -> None:
         """From the next step on, activations go to host memory through ``offloader`` (None: stay), the copies back
@@ -116,6 +127,8 @@ class StageExecutor:
         if device:
             device.end_step()
         self.transfers.settle_gradients()
+        for runner in self.stages.values():
+            runner.step_done()
         return self._loss
 
     def infer(self, inputs: list[tuple[tuple, dict]] | None) -> list | None:
@@ -148,7 +161,7 @@ class StageExecutor:
         self._batch_size, self._target_batch = batch_size, target_batch
         self._micro_batches = micro_batches
         for runner in self.stages.values():
-            runner.start()
+            runner.start(training=micro_batches is not None)
         if self.offloader:
             self.offloader.start()
         self._loss: torch.Tensor | None = None

@@ -29,7 +29,7 @@ class PreparedStages:
     """The executor over this rank's stage modules, and what was changed in those modules for it."""
 
     def __init__(self, schedule: Schedule, rank: int, modules: dict[int, nn.Module], sharded: ShardedStages,
-                 loss_fn: Callable, channels: dict, *, main_grad: bool, cuda_graphs: bool,
+                 loss_fn: Callable, channels: dict, *, main_grad: bool, cuda_graphs: bool | str,
                  recompute: bool | Callable[[nn.Module], bool], device_timeline: DeviceTimeline | None,
                  on_stage_backward_done: Callable[[int], None]):
         self.rank = rank
@@ -84,5 +84,5 @@ class PreparedStages:
         self.weight_grad_store = WeightGradStore() if splits else None
         if self.weight_grad_store:
             self._undo_deferral = defer_linear_weight_grads(self._modules, self.weight_grad_store)
-        self._undo_recompute = checkpoint_stages(self._modules, self._recompute, cuda_graphs=self._cuda_graphs)
+        self._undo_recompute = checkpoint_stages(self._modules, self._recompute, cuda_graphs=self._cuda_graphs is True)
         self._fitted_to_split = splits

@@ -1,4 +1,5 @@
-"""One stage's compute on its micro-batches: forward, backward, backward-input, backward-weight, eager or graphed."""
+"""One stage's compute on its micro-batches, eagerly: forward, backward, backward-input, backward-weight (graphed:
+``graph_runner``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import torch
 from torch import nn
 
 from pipecomm.runtime import boundary
-from pipecomm.runtime.cuda_graphs import GraphedStage
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.offload import ActivationOffloader
 from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported
+from pipecomm.schedules.schedule import Schedule
 
 __all__: list[str] = []
 
@@ -45,11 +46,18 @@ class EagerStage:
         self.offloader: ActivationOffloader | None = None  # the rank's, when activations go to host memory
         self.micro_batches: dict[int, MicroBatch] = {}
 
-    def start(self) -> None:
-        """A new step or inference: nothing held, and the weights' aliases made afresh."""
+    def start(self, training: bool) -> None:
+        """A new step (``training``) or inference: nothing held, and the weights' aliases made afresh."""
         self.micro_batches = {}
         if self.weight_grad_store:
             self.weight_grad_store.new_step()
+
+    def adopt_schedule(self, schedule: Schedule, weight_grad_store: WeightGradStore | None) -> None:
+        """From the next step on, ``schedule``, whose I passes (if it gives this stage any) defer to the store."""
+        self.weight_grad_store = weight_grad_store
+
+    def step_done(self) -> None:
+        """After a training step's last action."""
 
     def record(self, micro_batch: int) -> MicroBatch:
         held = self.micro_batches.get(micro_batch)
@@ -173,43 +181,6 @@ def _take_grad(tensor: torch.Tensor) -> torch.Tensor | None:
     return grad
 
 
-class GraphedRunner(EagerStage):
-    """A stage whose forward and backward replay CUDA graphs (``cuda_graphs.GraphedStage``); it infers eagerly."""
-
-    def __init__(self, graphed: GraphedStage, sink: GradientSink, index: int, scaled_loss: Callable | None,
-                 weight_grad_store: WeightGradStore | None, rank: int):
-        super().__init__(graphed.module, sink, index, scaled_loss, weight_grad_store, rank)
-        self.graphed = graphed
-
-    def forward(self, micro_batch: int, args: tuple, kwargs: dict, received: list[torch.Tensor],
-                targets: tuple) -> torch.Tensor | None:
-        outputs = self.graphed.forward(micro_batch, args, targets, kwargs)
-        self.record(micro_batch).outputs = boundary.Flat(list(outputs), self.graphed.output_layout)
-        if self.scaled_loss is None:
-            return None
-        return outputs[0].detach().clone()  # the graph's loss buffer is rewritten by the next replay
-
-    def outputs_sent(self, micro_batch: int) -> None:
-        pass  # the slot's static outputs are the graph's to reuse
-
-    def backward(self, micro_batch: int) -> None:
-        held = self.micro_batches[micro_batch]
-        input_grads, param_grads = self.graphed.backward(micro_batch, held.output_grads)
-        held.outputs = held.output_grads = None
-        held.inputs = []
-        if self.index > 0:
-            # Copies: the slot's buffers are rewritten by its next replay, maybe before a send has read them.
-            held.input_grads = tuple(grad.clone() if grad is not None else None for grad in input_grads)
-        self.sink.add(param_grads)
-
-    def backward_input(self, micro_batch: int) -> None:
-        self.backward(micro_batch)  # the slot's I graph
-
-    def backward_weight(self, micro_batch: int) -> None:
-        self.micro_batches.pop(micro_batch, None)
-        self.sink.add(self.graphed.backward_weights(micro_batch))
-
-
 def run_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor],
                  keep_graph: bool, accumulate: bool = False) -> tuple:
     """Gradients of ``outputs`` w.r.t. ``inputs``, returned without accumulating into ``.grad``; or, with
@@ -261,13 +232,3 @@ def _sole_user(tensor: torch.Tensor) -> bool:
         return False
     # The storage's users: the tensor and the ``storage`` object just made for this call.
     return tensor._use_count() == 1 and torch._C._storage_Use_Count(storage._cdata) == 2
-
-
-def make_runner(module: nn.Module, sink: GradientSink, index: int, scaled_loss: Callable | None,
-                weight_grad_store: WeightGradStore | None, rank: int, graph_slots: int | None) -> EagerStage:
-    """The runner of one stage: eager, or with ``graph_slots`` (micro-batches in flight at once) replaying CUDA
-    graphs."""
-    if graph_slots is None:
-        return EagerStage(module, sink, index, scaled_loss, weight_grad_store, rank)
-    graphed = GraphedStage(module, sink.params, graph_slots, index, scaled_loss, weight_grad_store)
-    return GraphedRunner(graphed, sink, index, scaled_loss, weight_grad_store, rank)

@@ -39,6 +39,12 @@ class StepTuning:
         if isinstance(offload, OffloadPlan):
             check_plan(offload, schedule)
             self._use_offload_plan(offload)
+        prepared.executor.hold_graphs(self.measuring)
+
+    @property
+    def measuring(self) -> bool:
+        """Whether later steps are still measured for a change of schedule or an offload plan."""
+        return bool(self._planner or self._refit or self._offload_planner)
 
     def before_step(self) -> None:
         """On a measured step: what its forwards save counted (offload=True)."""
@@ -53,6 +59,9 @@ class StepTuning:
             self._after_auto_step()
         elif self._refit or self._offload_planner:
             self._after_measured_step()
+        else:
+            return
+        self.prepared.executor.hold_graphs(self.measuring)
 
     def _after_measured_step(self) -> None:
         """The first step timed: a zb-h2 or zb-v rebuilt for the measured costs, and with offload=True the plan for

@@ -1,0 +1,323 @@
+"""A stage that replays CUDA graphs: from the first step (``cuda_graphs=True``), or, by default on GPUs, adopted once
+its shapes hold still and a checked capture agrees with eager, with eager runs wherever the graphs cannot serve.
+
+``cuda_graphs="auto"`` (the default) runs a stage eagerly while it watches the micro-batches' structure, shapes and
+dtypes; after two steps alike it captures at the third, and each slot's first replay must equal an eager run of the
+same micro-batch. The step after the capture is a trial: the graphs stay only if its passes took the GPU less than
+``_KEEP_BELOW`` of the last watched step's (``PassTimer``). A stage the GPU bounds, not the host, so goes back to
+eager: its graphs would keep each in-flight micro-batch's activations in memory of their own for nothing. Then every micro-batch that fits replays and any other (a short last batch) runs eagerly; a step
+that none fits, twice in a row, or a change the graphs cannot see (``GraphedStage.changed_since_capture``) drops the
+graphs and the watch starts again. A failed capture or check, shapes that never hold still, or more captures than
+``_CAPTURES`` leave the stage eager for good, with a one-line warning saying why.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pipecomm.runtime import boundary
+from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots
+from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.split_backward import WeightGradStore
+from pipecomm.runtime.stage_runner import EagerStage
+from pipecomm.schedules.schedule import Schedule
+
+__all__: list[str] = []
+
+_STEPS_ALIKE = 2  # steps of one signature before a capture
+_CAPTURES = 3  # captures a stage may make; each costs two warm-ups, the captures and the checks
+_SIGNATURE_CHANGES = 3  # changes of signature while watching, before the stage gives up on graphs
+_KEEP_BELOW = 0.9  # graphs stay if a replayed pass takes less than this share of an eager one on the GPU
+_HOST_SHARE = 0.5  # no capture where the host launches an eager pass in less than this share of its GPU span
+
+
+class ShapeWatch:
+    """Whether a stage's micro-batches keep one signature (structure, non-tensor leaves, each tensor's shape, dtype,
+    device and requires_grad) over consecutive steps."""
+
+    def __init__(self) -> None:
+        self.steps_alike = 0
+        self.changes = 0
+        self._last: tuple | None = None
+        self._step: tuple | None = None  # this step's signature; None before its first micro-batch
+        self._mixed = False  # this step's micro-batches differ among themselves
+
+    def see(self, args: tuple, kwargs: dict, targets: tuple) -> None:
+        signature = _signature(boundary.flatten((args, kwargs))) + _signature(boundary.flatten(targets))
+        if self._step is None:
+            self._step = signature
+        elif not _alike(signature, self._step):
+            self._mixed = True
+
+    def step_done(self) -> None:
+        step = None if self._mixed else self._step
+        if step is not None and self._last is not None and _alike(step, self._last):
+            self.steps_alike += 1
+        else:
+            self.changes += self._last is not None
+            self.steps_alike = 1 if step is not None else 0
+        self._last, self._step, self._mixed = step, None, False
+
+
+class PassTimer:
+    """GPU and host time of a stage's passes over one step, from CUDA events and the host clock around each. Eager, a
+    pass's GPU span is the host's launches and the kernels together; replayed, the kernels' alone: their ratio is what
+    graphs save. A host done launching in well under the GPU span means the GPU bounds the stage."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
+
+    @staticmethod
+    def start() -> tuple[torch.cuda.Event, float]:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event, time.perf_counter()
+
+    def stop(self, started: tuple[torch.cuda.Event, float]) -> None:
+        end, now = self.start()
+        self._spans.append((started[0], end, now - started[1]))
+
+    def per_pass_ms(self) -> tuple[float, float] | None:
+        """The mean GPU span and host time of a pass, once the GPU has reached the last event; None if none ran."""
+        if not self._spans:
+            return None
+        self._spans[-1][1].synchronize()
+        count = len(self._spans)
+        return (sum(begin.elapsed_time(end) for begin, end, _ in self._spans) / count,
+                sum(host for _, _, host in self._spans) * 1e3 / count)
+
+
+def _signature(flat: boundary.Flat) -> tuple:
+    return flat.layout, tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in flat.tensors)
+
+
+def _alike(one: tuple, other: tuple) -> bool:
+    return all(boundary.layout_mismatch(a, b) is None and metas == other_metas
+               for a, metas, b, other_metas in ((one[0], one[1], other[0], other[1]), (one[2], one[3], other[2], other[3])))
+
+
+class GraphRunner(EagerStage):
+    """A stage whose micro-batches replay ``GraphedStage``'s graphs where they can; it infers eagerly.
+
+    ``automatic`` (``cuda_graphs="auto"``): graphs adopted and dropped as the module docstring says. Otherwise
+    (``cuda_graphs=True``) captured at the first forward, unchecked, and any misfit or change is an error.
+    """
+
+    def __init__(self, module: nn.Module, sink: GradientSink, index: int, scaled_loss: Callable | None,
+                 weight_grad_store: WeightGradStore | None, rank: int, slots: int, automatic: bool):
+        super().__init__(module, sink, index, scaled_loss, weight_grad_store, rank)
+        self.slots = slots
+        self.automatic = automatic
+        self.graphed: GraphedStage | None = None if automatic else self._graphs()
+        self.off: str | None = None  # automatic: why this stage runs eagerly for good
+        self.held = False  # automatic: no capture while held (``StageExecutor.hold_graphs``)
+        self._watch = ShapeWatch()
+        self._timer = PassTimer()  # the passes of a watched step, or of the trial step after a capture
+        self._eager_ms: float | None = None  # a watched step's GPU time per pass
+        self._captured_now = False  # in this step
+        self._trial = False  # the graphs were captured in the last step: this one decides whether they stay
+        self._captures = 0
+        self._replayed: set[int] = set()  # this step's micro-batches that replay the graphs
+        self._steps_unfit = 0  # consecutive steps none of whose micro-batches fit the graphs
+
+    def _graphs(self) -> GraphedStage:
+        return GraphedStage(self.module, self.sink.params, self.slots, self.index, self.scaled_loss,
+                            self.weight_grad_store, checked=self.automatic)
+
+    @property
+    def state(self) -> str:
+        """"replaying" (graphs captured), "to capture" (at the next forward), "watching" (eager, its shapes watched),
+        or "eager: " and why, for good (the GPU bounds the stage, or graphs failed it)."""
+        if self.off:
+            return f"eager: {self.off}"
+        if self.graphed is None:
+            return "watching"
+        return "replaying" if self.graphed.captured else "to capture"
+
+    # -- adoption -------------------------------------------------------------------------------
+
+    def adopt_schedule(self, schedule: Schedule, weight_grad_store: WeightGradStore | None) -> None:
+        super().adopt_schedule(schedule, weight_grad_store)
+        self._drop()
+        try:
+            self.slots = in_flight_slots(schedule, self.rank, self.index)
+        except ValueError as error:
+            self._give_up(str(error))
+
+    def start(self, training: bool) -> None:
+        super().start(training)
+        self._replayed.clear()
+        graphed = self.graphed
+        if training and graphed is not None and graphed.captured:
+            change = graphed.changed_since_capture()
+            if change and not self.automatic:
+                raise ValueError(f"cuda_graphs: {change}, which their replays would not see; build a new Pipeline, "
+                                 'or leave cuda_graphs="auto", which captures again')
+            if change:
+                self._drop()
+
+    def step_done(self) -> None:
+        if not self.automatic or self.off:
+            return
+        timer, self._timer = self._timer, PassTimer()
+        if self.graphed is None:
+            self._watch.step_done()
+            if self._watch.changes >= _SIGNATURE_CHANGES:
+                self._give_up(f"its inputs' shapes changed {self._watch.changes} times from step to step, and CUDA "
+                              "graphs need static ones")
+            elif self._watch.steps_alike >= _STEPS_ALIKE and not self.held:
+                if self._captures == _CAPTURES:
+                    self._give_up(f"its graphs were captured {_CAPTURES} times and dropped again (shapes or "
+                                  "parameters keep changing)")
+                else:
+                    self._captures += 1
+                    measured = timer.per_pass_ms()
+                    self._eager_ms = measured[0] if measured else None
+                    if measured and measured[1] < _HOST_SHARE * measured[0]:
+                        self._drop()
+                        self.off = (f"the host launches a pass in {measured[1]:.3g} ms and the GPU runs it in "
+                                    f"{measured[0]:.3g}: the GPU bounds it, graphs would cost memory for nothing")
+                    else:
+                        self.graphed = self._graphs()
+        elif self.graphed.captured:
+            if self._trial:
+                self._trial = False
+                measured = timer.per_pass_ms() if self._replayed else None
+                replayed = measured[0] if measured else None
+                if replayed is not None and self._eager_ms and replayed > _KEEP_BELOW * self._eager_ms:
+                    self._drop()
+                    self.off = (f"replaying its CUDA graphs took the GPU {replayed:.3g} ms a pass against "
+                                f"{self._eager_ms:.3g} ms eager: the GPU, not the host, bounds it")  # nothing failed
+                    return
+            self._trial, self._captured_now = self._captured_now, False
+            self._steps_unfit = 0 if self._replayed else self._steps_unfit + 1
+            if self._steps_unfit == 2:
+                self._drop()
+
+    def _drop(self) -> None:
+        """The graphs and their memory let go; the watch starts again."""
+        captured = self.graphed is not None and self.graphed.captured
+        self.graphed = None
+        if captured:
+            torch.cuda.empty_cache()  # a dropped graph's private pool stays cached, out of other allocations' reach
+        self._steps_unfit = 0
+        self._watch, self._timer, self._trial, self._captured_now = ShapeWatch(), PassTimer(), False, False
+
+    def _give_up(self, reason: str) -> None:
+        self._drop()
+        self.off = reason
+        warnings.warn(f"pipecomm: pipeline rank {self.rank}, stage {self.index} runs eagerly from now on: {reason}",
+                      stacklevel=2)
+
+    # -- actions --------------------------------------------------------------------------------
+
+    def forward(self, micro_batch: int, args: tuple, kwargs: dict, received: list[torch.Tensor],
+                targets: tuple) -> torch.Tensor | None:
+        graphed = self.graphed
+        started = self._timer.start() if self._timing else None
+        if graphed is None:
+            if started is not None:
+                self._watch.see(args, kwargs, targets)
+            loss = super().forward(micro_batch, args, kwargs, received, targets)
+        else:
+            loss = self._graphed_forward(graphed, micro_batch, args, kwargs, received, targets)
+        if started is not None:
+            self._timer.stop(started)
+        return loss
+
+    def _graphed_forward(self, graphed: GraphedStage, micro_batch: int, args: tuple, kwargs: dict,
+                         received: list[torch.Tensor], targets: tuple) -> torch.Tensor | None:
+        inputs, target_leaves = boundary.flatten((args, kwargs)), boundary.flatten(targets)
+        if not self.automatic:
+            return self._replayed_forward(micro_batch, graphed.replay(micro_batch, inputs, target_leaves))
+        if graphed.captured:
+            if graphed.mismatch(inputs, target_leaves):
+                return super().forward(micro_batch, args, kwargs, received, targets)
+            return self._replayed_forward(micro_batch, graphed.replay_fitting(micro_batch, inputs, target_leaves))
+        try:
+            outputs = graphed.replay(micro_batch, inputs, target_leaves)  # captures and checks first
+        except Exception as error:  # noqa: BLE001 - whatever failed, the eager run below raises it if it is the model's
+            message = str(error).strip().splitlines()
+            self._give_up(f"capturing its CUDA graphs failed ({type(error).__name__}: "
+                          f"{message[0] if message else 'no message'})")
+            return super().forward(micro_batch, args, kwargs, received, targets)
+        self._captured_now = True
+        return self._replayed_forward(micro_batch, outputs)
+
+    def _replayed_forward(self, micro_batch: int, outputs: tuple) -> torch.Tensor | None:
+        self._replayed.add(micro_batch)
+        self.record(micro_batch).outputs = boundary.Flat(list(outputs), self.graphed.output_layout)
+        if self.scaled_loss is None:
+            return None
+        return outputs[0].detach().clone()  # the graph's loss buffer is rewritten by the next replay
+
+    def outputs_sent(self, micro_batch: int) -> None:
+        if micro_batch not in self._replayed:  # a replayed slot's static outputs are the graph's to reuse
+            super().outputs_sent(micro_batch)
+
+    @property
+    def _timing(self) -> bool:
+        """Whether this step's passes are timed: a watched one's, or the trial's after a capture."""
+        return self.automatic and not self.off and (self.graphed is None or self._trial)
+
+    def _timed(self, run: Callable[[int], None], micro_batch: int) -> None:
+        if not self._timing:
+            run(micro_batch)
+            return
+        started = self._timer.start()
+        run(micro_batch)
+        self._timer.stop(started)
+
+    def backward(self, micro_batch: int) -> None:
+        self._timed(self._backward_pass, micro_batch)
+
+    def backward_input(self, micro_batch: int) -> None:
+        if micro_batch in self._replayed:
+            self._timed(self._backward_pass, micro_batch)  # the slot's I graph
+        else:
+            self._timed(super().backward_input, micro_batch)
+
+    def backward_weight(self, micro_batch: int) -> None:
+        self._timed(self._weight_pass, micro_batch)
+
+    def _backward_pass(self, micro_batch: int) -> None:
+        if micro_batch not in self._replayed:
+            super().backward(micro_batch)
+            return
+        held = self.micro_batches[micro_batch]
+        input_grads, param_grads = self.graphed.backward(micro_batch, held.output_grads)
+        held.outputs = held.output_grads = None
+        held.inputs = []
+        if self.index > 0:
+            # Copies: the slot's buffers are rewritten by its next replay, maybe before a send has read them.
+            held.input_grads = tuple(grad.clone() if grad is not None else None for grad in input_grads)
+        self.sink.add(param_grads)
+
+    def _weight_pass(self, micro_batch: int) -> None:
+        if micro_batch not in self._replayed:
+            super().backward_weight(micro_batch)
+            return
+        self.micro_batches.pop(micro_batch, None)
+        self.sink.add(self.graphed.backward_weights(micro_batch))
+
+
+def make_runner(module: nn.Module, sink: GradientSink, index: int, scaled_loss: Callable | None,
+                weight_grad_store: WeightGradStore | None, rank: int, schedule: Schedule,
+                cuda_graphs: bool | str) -> EagerStage:
+    """The runner of one stage: eager (``cuda_graphs`` False), graphed from the first step (True: the schedule's
+    order is checked here, before any communication), or adopting graphs when it can ("auto")."""
+    if cuda_graphs is False:
+        return EagerStage(module, sink, index, scaled_loss, weight_grad_store, rank)
+    automatic = cuda_graphs == "auto"
+    try:
+        slots = in_flight_slots(schedule, rank, index)
+    except ValueError:
+        if not automatic:
+            raise
+        return EagerStage(module, sink, index, scaled_loss, weight_grad_store, rank)
+    return GraphRunner(module, sink, index, scaled_loss, weight_grad_store, rank, slots, automatic)

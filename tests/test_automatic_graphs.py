@@ -1,0 +1,233 @@
+"""cuda_graphs="auto", the default: where it applies, the shape watch, and on a GPU the adoption of graphs, checked
+against one eager process through short batches, frozen parameters, changed attributes and captures that fail."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import pipecomm
+from pipecomm.runtime.checks import graph_mode
+from pipecomm.runtime.graph_runner import ShapeWatch
+from ranks import needs_cuda
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("device", "options", "expected"), [
+    ("cpu", {}, False),
+    ("cuda", {}, "auto"),
+    ("cuda", {"offload": True}, False),
+    ("cuda", {"recompute": True}, False),
+    ("cuda", {"sharded": True}, False),
+])
+def test_auto_applies_only_where_graphs_can_serve(device, options, expected):
+    settings = {"sharded": False, "offload": False, "recompute": False, **options}
+    assert graph_mode("auto", torch.device(device), [nn.Linear(2, 2)], **settings) == expected
+    assert graph_mode(True, torch.device(device), [nn.Linear(2, 2)], **settings) is True
+    assert graph_mode(False, torch.device(device), [nn.Linear(2, 2)], **settings) is False
+
+
+def test_a_bad_cuda_graphs_value_is_refused():
+    with pytest.raises(ValueError, match='cuda_graphs must be True, False or "auto", not \'yes\''):
+        pipecomm.Pipeline(nn.Linear(4, 4), stage=0, num_stages=1, micro_batches=2,
+                          loss_fn=nn.functional.mse_loss, cuda_graphs="yes")
+
+
+def test_the_default_on_cpu_never_captures():
+    pipe = pipecomm.Pipeline(nn.Linear(4, 4), stage=0, num_stages=1, micro_batches=2, loss_fn=nn.functional.mse_loss)
+    for _ in range(3):
+        pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
+    assert pipe.cuda_graph_states == {0: "eager"}
+
+
+def _watched(steps: list[list[tuple]]) -> list[tuple[int, int]]:
+    """(steps alike, changes) after each step of micro-batches given as (args, targets)."""
+    watch, seen = ShapeWatch(), []
+    for step in steps:
+        for args, targets in step:
+            watch.see(args, {}, targets)
+        watch.step_done()
+        seen.append((watch.steps_alike, watch.changes))
+    return seen
+
+
+def test_the_watch_counts_steps_whose_micro_batches_share_one_signature():
+    a, b = torch.zeros(2, 3), torch.zeros(1, 3)
+    assert _watched([[((a,), ())] * 2] * 3) == [(1, 0), (2, 0), (3, 0)]
+    # A short micro-batch in a step: that step counts for nothing (a change), and the next starts again.
+    assert _watched([[((a,), ())] * 2, [((a,), ()), ((b,), ())], [((a,), ())]]) == [(1, 0), (0, 1), (1, 1)]
+    # Shapes, dtypes, requires_grad, non-tensor leaves and targets all count.
+    for args, targets in [((b,), ()), ((a.double(),), ()), ((a.clone().requires_grad_(),), ()), ((a, 1), ()),
+                          ((a,), (a,))]:
+        assert _watched([[((a,), ())], [(args, targets)]]) == [(1, 0), (1, 1)]
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+
+class Scaled(nn.Module):
+    """An MLP whose output is scaled by a plain attribute, which a replay would read as the capture saw it."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 32), nn.Linear(32, 8)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x))) * self.scale
+
+
+def _pipeline(module: nn.Module, **options) -> pipecomm.Pipeline:
+    return pipecomm.Pipeline(module, stage=0, num_stages=1, micro_batches=4, loss_fn=nn.functional.mse_loss,
+                             device="cuda", **options)
+
+
+def _one_process(reference: nn.Module, x, y) -> tuple[torch.Tensor, list]:
+    losses = [nn.functional.mse_loss(reference(xs), ys) / 4 for xs, ys in zip(x.chunk(4), y.chunk(4))]
+    loss = sum(losses)
+    loss.backward()
+    return loss.detach(), [None if p.grad is None else p.grad.clone() for p in reference.parameters()]
+
+
+def _train(steps: int, before_step=None, batch=lambda step: 16, module=None) -> tuple[pipecomm.Pipeline, list]:
+    """``steps`` SGD steps of the default Pipeline and of one eager process, each step's loss and gradients equal;
+    returns the Pipeline and its graph states after each step."""
+    torch.manual_seed(0)
+    module = (module or Scaled()).cuda()
+    reference = copy.deepcopy(module)
+    pipe = _pipeline(module)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    states = []
+    for step in range(steps):
+        if before_step:
+            before_step(step, module)
+            before_step(step, reference)
+        x, y = torch.randn(batch(step), 8, device="cuda"), torch.randn(batch(step), 8, device="cuda")
+        loss = pipe.step(x, target=y)
+        ref_loss, ref_grads = _one_process(reference, x, y)
+        torch.testing.assert_close(loss, ref_loss, **TOLERANCE, msg=f"loss of step {step}")
+        for param, ref_grad in zip(module.parameters(), ref_grads):
+            if ref_grad is None:
+                assert param.grad is None, f"step {step}"
+            else:
+                torch.testing.assert_close(param.grad, ref_grad, **TOLERANCE, msg=f"step {step}")
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+        states.append(pipe.cuda_graph_states[0])
+    return pipe, states
+
+
+@needs_cuda
+def test_graphs_are_adopted_at_the_third_step_and_train_as_one_process():
+    _, states = _train(5)
+    assert states == ["watching", "to capture", "replaying", "replaying", "replaying"]
+
+
+@needs_cuda
+def test_a_short_batch_runs_eagerly_beside_the_graphs():
+    _, states = _train(6, batch=lambda step: 8 if step == 4 else 16)
+    assert states[2:] == ["replaying"] * 4
+
+
+@needs_cuda
+@pytest.mark.parametrize("change", ["freeze", "attribute", "eval"])
+def test_a_change_the_graphs_cannot_see_drops_them_until_shapes_hold_again(change):
+    def before_step(step, module):
+        if step == 4:
+            if change == "freeze":
+                module.first.requires_grad_(False)
+            elif change == "attribute":
+                module.scale = 0.5
+            else:
+                module.eval()  # no dropout here: the same function, but a replay must not be trusted to know
+
+    _, states = _train(8, before_step=before_step)
+    assert states == ["watching", "to capture", "replaying", "replaying", "watching", "to capture", "replaying",
+                      "replaying"]
+
+
+class Branchy(Scaled):
+    """Reads a value back to the host in its forward, which a capture cannot."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out if out.sum().item() > -1e30 else -out
+
+
+@needs_cuda
+def test_a_capture_that_fails_leaves_the_stage_eager_with_one_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, states = _train(5, module=Branchy())
+    assert states[2:] == [states[2]] * 3 and states[2].startswith("eager: capturing its CUDA graphs failed")
+    assert sum("runs eagerly from now on" in str(warning.message) for warning in caught) == 1
+
+
+class Counting(Scaled):
+    """Doubles its output on every other call: a replay repeats what the capture saw, an eager run does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x) * (2 if self.calls % 2 else 1)
+
+
+@needs_cuda
+def test_a_replay_that_differs_from_eager_is_not_used():
+    torch.manual_seed(0)
+    pipe = _pipeline(Counting().cuda())
+    x, y = torch.randn(16, 8, device="cuda"), torch.randn(16, 8, device="cuda")
+    with pytest.warns(UserWarning, match="differs from an eager run of the same micro-batch"):
+        for _ in range(3):
+            pipe.step(x, target=y)
+    assert pipe.cuda_graph_states[0].startswith("eager: capturing its CUDA graphs failed (GraphCheckError")
+
+
+class Slow(Scaled):
+    """Keeps the GPU busy far longer than the host takes to launch it."""
+
+    def forward(self, x):
+        torch.cuda._sleep(20_000_000)
+        return super().forward(x)
+
+
+@needs_cuda
+def test_a_stage_the_gpu_bounds_stays_eager():
+    _, states = _train(4, module=Slow())
+    assert states[0] == "watching"
+    assert all(state.startswith("eager: the host launches a pass in") and "the GPU bounds it" in state
+               for state in states[1:]), states
+
+
+@needs_cuda
+def test_dropout_replays_pass_the_check():
+    torch.manual_seed(0)
+    pipe = _pipeline(nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5), nn.Linear(64, 8)).cuda())
+    x, y = torch.randn(16, 8, device="cuda"), torch.randn(16, 8, device="cuda")
+    for _ in range(4):
+        pipe.step(x, target=y)
+    assert pipe.cuda_graph_states[0] == "replaying"
+
+
+@needs_cuda
+def test_graphs_asked_for_refuse_a_change_they_cannot_see():
+    torch.manual_seed(0)
+    module = Scaled().cuda()
+    pipe = _pipeline(module, cuda_graphs=True)
+    x, y = torch.randn(16, 8, device="cuda"), torch.randn(16, 8, device="cuda")
+    pipe.step(x, target=y)
+    assert pipe.cuda_graph_states[0] == "replaying"
+    module.scale = 2.0
+    with pytest.raises(ValueError, match=r"Scaled.scale \(was 1.0\) changed since the CUDA graphs were captured"):
+        pipe.step(x, target=y)
