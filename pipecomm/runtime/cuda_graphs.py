@@ -216,11 +216,11 @@ class GraphedStage:
         buffers = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
         stream, random_state = torch.cuda.current_stream(device), torch.cuda.get_rng_state(device)
         try:
-            reference, random_state = self._warm_up(inputs, targets, autocast, device)
+            reference, warm_up_state = self._warm_up(inputs, targets, autocast, device)
             for _ in range(self.num_slots):
                 self._slots.append(self._capture_slot(inputs, targets, autocast))
             if self.checked:
-                self._check_replays(reference, random_state, device)
+                self._check_replays(reference, warm_up_state, device)
         except BaseException:
             self._slots = []
             torch.cuda.set_stream(stream)  # a failed capture leaves its own stream current
@@ -329,6 +329,7 @@ class GraphedStage:
         produced = iter(grads)
         input_grads = [next(produced) if t.requires_grad else None for t in inputs]
         return input_grads, [next(produced) if p.requires_grad else None for p in self.params]
+
 
 def _release_random_state(device: torch.device, state: torch.Tensor) -> None:
     """The device's default generator as it was before a capture that failed: a capture that ends in an error leaves

@@ -1,14 +1,16 @@
-"""A stage that replays CUDA graphs: from the first step (``cuda_graphs=True``), or, by default on GPUs, adopted once
-its shapes hold still and a checked capture agrees with eager, with eager runs wherever the graphs cannot serve.
+"""A stage that replays CUDA graphs: from the first step (``cuda_graphs=True``), or, by default on GPUs, adopted where
+they pay and a checked capture agrees with eager, with eager runs wherever the graphs cannot serve.
 
 ``cuda_graphs="auto"`` (the default) runs a stage eagerly while it watches the micro-batches' structure, shapes and
-dtypes; after two steps alike it captures at the third, and each slot's first replay must equal an eager run of the
-same micro-batch. The step after the capture is a trial: the graphs stay only if its passes took the GPU less than
-``_KEEP_BELOW`` of the last watched step's (``PassTimer``). A stage the GPU bounds, not the host, so goes back to
-eager: its graphs would keep each in-flight micro-batch's activations in memory of their own for nothing. Then every micro-batch that fits replays and any other (a short last batch) runs eagerly; a step
-that none fits, twice in a row, or a change the graphs cannot see (``GraphedStage.changed_since_capture``) drops the
-graphs and the watch starts again. A failed capture or check, shapes that never hold still, or more captures than
-``_CAPTURES`` leave the stage eager for good, with a one-line warning saying why.
+dtypes and times its passes (``PassTimer``). After two steps alike it captures at the third, unless the host launched
+a pass in under ``_HOST_SHARE`` of its GPU span (the GPU bounds the stage: graphs would keep each in-flight
+micro-batch's activations in memory of their own for nothing); each slot's first replay must equal an eager run of
+the same micro-batch. The step after the capture is a trial: the graphs stay only if a replayed pass took the GPU
+under ``_KEEP_BELOW`` of an eager one. Then every micro-batch that fits replays and any other (a short last batch)
+runs eagerly; a step that none fits, twice in a row, or a change the graphs cannot see
+(``GraphedStage.changed_since_capture``) drops the graphs, and the watch starts again. A failed capture or check,
+shapes that never hold still, or more captures than ``_CAPTURES`` leave the stage eager for good, with a one-line
+warning saying why.
 """
 
 from __future__ import annotations
@@ -97,8 +99,9 @@ def _signature(flat: boundary.Flat) -> tuple:
 
 
 def _alike(one: tuple, other: tuple) -> bool:
-    return all(boundary.layout_mismatch(a, b) is None and metas == other_metas
-               for a, metas, b, other_metas in ((one[0], one[1], other[0], other[1]), (one[2], one[3], other[2], other[3])))
+    """Whether two signatures (inputs' layout and tensors, then the targets') are the same."""
+    return all(boundary.layout_mismatch(one[index], other[index]) is None and one[index + 1] == other[index + 1]
+               for index in (0, 2))
 
 
 class GraphRunner(EagerStage):
