@@ -84,6 +84,21 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, iters: int = 20) -> flo
     return statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
 
 
+def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call of fn(): on a CUDA device between two events around it (waiting for the second),
+    elsewhere on the host clock. ``time_cuda`` is for many calls back to back."""
+    if device.type != "cuda":
+        started = time.perf_counter()
+        fn()
+        return (time.perf_counter() - started) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def time_host(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> float:
     """Median wall-clock milliseconds of fn(); the fallback for smoke runs on CPU."""
     for _ in range(warmup):

@@ -49,7 +49,7 @@ from pipecomm.runtime.recompute import checkpoint_stages  # noqa: E402
 from pipecomm.schedules.offload import plan_offload  # noqa: E402
 from pipecomm.schedules.schedule import make_schedule  # noqa: E402
 from pipecomm.schedules.simulation import simulate  # noqa: E402
-from _common import environment, print_environment, print_table, write_json  # noqa: E402
+from _common import elapsed_ms, environment, print_environment, print_table, write_json  # noqa: E402
 from e2e import Config, build_chunk, config_named, make_batch  # noqa: E402
 from host_cost import LlamaStage  # noqa: E402
 
@@ -127,13 +127,8 @@ def idle_for(seconds: float, device: torch.device) -> None:
         return
     if device not in _SLEEP_CYCLES_PER_SECOND:
         cycles = 10_000_000
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(cycles)  # the first launch loads the kernel
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        _SLEEP_CYCLES_PER_SECOND[device] = cycles / (start.elapsed_time(end) / 1e3)
+        _SLEEP_CYCLES_PER_SECOND[device] = cycles / (elapsed_ms(lambda: torch.cuda._sleep(cycles), device) / 1e3)
     torch.cuda._sleep(int(seconds * _SLEEP_CYCLES_PER_SECOND[device]))
 
 
@@ -163,17 +158,7 @@ def measure(model: str, config_name: str, p: int, mode: str, device: torch.devic
     pass_times: dict[str, list[float]] = {"F": [], "B": []}
 
     def timed(kind: str, work) -> None:
-        if not cuda:
-            started = time.perf_counter()
-            work()
-            pass_times[kind].append(time.perf_counter() - started)
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        work()
-        end.record()
-        end.synchronize()
-        pass_times[kind].append(start.elapsed_time(end) / 1e3)
+        pass_times[kind].append(elapsed_ms(work, device) / 1e3)
 
     def one_round(offloader: ActivationOffloader | None = None, reloads: dict | None = None,
                   time_passes: bool = False, idle: dict | None = None) -> None:
@@ -233,16 +218,7 @@ def measure(model: str, config_name: str, p: int, mode: str, device: torch.devic
 
     def timed_round(idle: dict | None) -> float:
         """One round's milliseconds per micro-batch."""
-        if not cuda:
-            started = time.perf_counter()
-            one_round(offloader, reloads, idle=idle)
-            return (time.perf_counter() - started) * 1e3 / len(micro_batches)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        one_round(offloader, reloads, idle=idle)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / len(micro_batches)
+        return elapsed_ms(lambda: one_round(offloader, reloads, idle=idle), device) / len(micro_batches)
 
     alone = [timed_round(None) for _ in range(rounds)]
     in_pipeline = [timed_round(idle) for _ in range(rounds)]
