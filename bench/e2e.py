@@ -14,7 +14,8 @@ efficiency = one stage's pure compute time / step time, where the compute time i
 of one stage's layers on one micro-batch on one GPU without a pipeline, times micro_batches (the
 slowest stage), the ideal 1F1B efficiency m / (m + p - 1), and each rank's peak memory
 (torch.cuda.max_memory_allocated, reset before each schedule; model weights included; for CUDA-graph rows
-plus the free part of the graphs' private memory pools, which their replays reuse).
+plus the free part of the graphs' private memory pools, which their replays reuse), over the whole run and, as
+"steady", over the timed steps alone (a capture's moment in the warm-up left out).
 
 Schedules: pipecomm gpipe, 1f1b, interleaved-1f1b (v=2), zb-h1, zb-v, zb-h2, auto, and 1f1b, interleaved-1f1b,
 zb-h1 and zb-v with CUDA graphs (Pipeline(cuda_graphs=True), rows "+graphs"), 1f1b eager (cuda_graphs=False, row
@@ -102,7 +103,8 @@ REFERENCE_TOLERANCE = 1e-4  # relative, fp32 on CPU: a row's loss against the on
 
 def columns(ranks: int) -> list[str]:
     return (["schedule", "step_ms", "wall_ms", "eff", "ideal", "bubble", "theory", "speed_vs_torch_1f1b"]
-            + [f"mem{rank}_GB" for rank in range(ranks)] + ["mem/torch_1f1b", "rank_bubble", "loss", "error"])
+            + [f"mem{rank}_GB" for rank in range(ranks)] + ["mem/torch_1f1b", "steady/torch_1f1b", "rank_bubble",
+                                                               "loss", "error"])
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,7 @@ class Rank:
         self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self._barriers = 0
+        self.warm_up_peak = 0  # bytes, the last time_steps' warm-up's peak
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -264,8 +267,9 @@ class Rank:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def peak_gb(self) -> float | None:
-        """Peak allocated bytes, plus what CUDA graphs' private pools hold reserved for their replays.
+    def peak_gb(self, earlier: int = 0) -> float | None:
+        """Peak allocated bytes since the last reset (or ``earlier``'s, a peak before it, if higher), plus what CUDA
+        graphs' private pools hold reserved for their replays.
 
         Captured graphs reuse their pools' memory at every replay, but the tensors that occupied it
         during capture were freed, so max_memory_allocated alone would not see it.
@@ -277,7 +281,7 @@ class Rank:
             for segment in torch.cuda.memory_snapshot()
             if segment["device"] == self.device.index and tuple(segment["segment_pool_id"]) != (0, 0)
         )
-        return (torch.cuda.max_memory_allocated(self.device) + graph_pools) / 1e9
+        return (max(torch.cuda.max_memory_allocated(self.device), earlier) + graph_pools) / 1e9
 
     def batch(self, config: Config) -> tuple[torch.Tensor, torch.Tensor]:
         return make_batch(config, self.device, self.dtype)
@@ -285,10 +289,14 @@ class Rank:
     # -- timing --------------------------------------------------------------------------------
 
     def time_steps(self, step: Callable[[], object], warmup: int, steps: int) -> tuple[list[float], float]:
-        """Per-step ms (CUDA events on the current stream; host clock on CPU) and wall ms per step."""
+        """Per-step ms (CUDA events on the current stream; host clock on CPU) and wall ms per step. The peak memory
+        of the warm-up (a CUDA-graph capture's, say) is kept in ``warm_up_peak`` and the count starts afresh."""
         for _ in range(warmup):
             step()
         self.synchronize()
+        if self.cuda:
+            self.warm_up_peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.barrier()
         samples = []
         wall_start = time.perf_counter()
@@ -465,7 +473,8 @@ class Rank:
             result["loss"] = float(loss) if loss is not None else None
             self.synchronize()
             samples, wall_ms = self.time_steps(step, self.args.warmup, self.args.steps)
-            result.update(step_ms=samples, wall_ms=wall_ms, peak_gb=self.peak_gb())
+            result.update(step_ms=samples, wall_ms=wall_ms, peak_gb=self.peak_gb(self.warm_up_peak),
+                          steady_gb=self.peak_gb())
             if pipe is not None:
                 result["cuda_graph_states"] = pipe.cuda_graph_states
             if self.args.trace and pipe is not None:
@@ -568,6 +577,7 @@ def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -
             row["bubble"] = 1 - row["eff"] if row["eff"] is not None else None
             for rank, r in enumerate(per_rank):
                 row[f"mem{rank}_GB"] = r.get("peak_gb")
+                row[f"steady{rank}_GB"] = r.get("steady_gb")
             if "planned_schedule" in per_rank[0]:
                 # Every rank plans from the same all-reduced costs, so rank 0's plan is everyone's.
                 row["planned_schedule"] = per_rank[0]["planned_schedule"]
@@ -587,8 +597,9 @@ def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -
         if baseline is not None and "step_ms" in row:
             row["speed_vs_torch_1f1b"] = baseline["step_ms"] / row["step_ms"]
             row["step_vs_torch_1f1b"] = row["step_ms"] / baseline["step_ms"]
-            peaks, base_peaks = peak(row, args.ranks), peak(baseline, args.ranks)
-            row["mem/torch_1f1b"] = peaks / base_peaks if peaks is not None and base_peaks else None
+            for column, prefix in (("mem/torch_1f1b", "mem"), ("steady/torch_1f1b", "steady")):
+                peaks, base_peaks = peak(row, args.ranks, prefix), peak(baseline, args.ranks, prefix)
+                row[column] = peaks / base_peaks if peaks is not None and base_peaks else None
     return rows, summary
 
 
@@ -626,8 +637,9 @@ def theoretical_bubble(row_name: str, ranks: int, micro_batches: int) -> float |
     return simulate(make_schedule(name, ranks, micro_batches, virtual)).bubble_fraction
 
 
-def peak(row: dict[str, Any], ranks: int) -> float | None:
-    values = [row.get(f"mem{rank}_GB") for rank in range(ranks)]
+def peak(row: dict[str, Any], ranks: int, prefix: str = "mem") -> float | None:
+    """The largest rank's peak: over the whole run ("mem"), or over the timed steps alone ("steady")."""
+    values = [row.get(f"{prefix}{rank}_GB") for rank in range(ranks)]
     return max(values) if all(value is not None for value in values) else None
 
 
@@ -855,7 +867,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.warmup} warm-up ({clock}, slower rank); wall_ms = host time per step over the timed loop; "
           "eff = one stage's forward+backward of one micro-batch x micro_batches / step_ms; ideal = m/(m+p-1); "
           "bubble = 1 - eff; theory = the schedule's simulated bubble (F=1, B=2, I=W=1, free transfers); "
-          "speed_vs_torch_1f1b = torch 1F1B step_ms / step_ms; memN_GB = peak allocated on rank N (+ CUDA-graph pools)")
+          "speed_vs_torch_1f1b = torch 1F1B step_ms / step_ms; memN_GB = peak allocated on rank N (+ CUDA-graph pools), warm-up included; steady = the same over the timed steps only")
     all_rows: dict[str, list[dict[str, Any]]] = {}
     summaries: dict[str, dict] = {}
     for name in args.config_list:
