@@ -204,9 +204,9 @@ class GraphRunner(EagerStage):
 
     def _drop(self) -> None:
         """The graphs and their memory let go; the watch starts again."""
-        captured = self.graphed is not None and self.graphed.captured
+        attempted = self.graphed is not None
         self.graphed = None
-        if captured:
+        if attempted:
             torch.cuda.empty_cache()  # a dropped graph's private pool stays cached, out of other allocations' reach
         self._steps_unfit = 0
         self._watch, self._timer, self._trial, self._captured_now = ShapeWatch(), PassTimer(), False, False
