@@ -221,15 +221,15 @@ class GraphRunner(EagerStage):
 
     def forward(self, micro_batch: int, args: tuple, kwargs: dict, received: list[torch.Tensor],
                 targets: tuple) -> torch.Tensor | None:
-        graphed = self.graphed
-        started = self._timer.start() if self._timing else None
+        graphed, timing = self.graphed, self._timing
+        started = self._timer.start() if timing else None
         if graphed is None:
-            if started is not None:
+            if timing:  # watching
                 self._watch.see(args, kwargs, targets)
             loss = super().forward(micro_batch, args, kwargs, received, targets)
         else:
             loss = self._graphed_forward(graphed, micro_batch, args, kwargs, received, targets)
-        if started is not None:
+        if timing:
             self._timer.stop(started)
         return loss
 

@@ -1,0 +1,165 @@
+"""The default's adoption of CUDA graphs, on a CPU: ``GraphRunner``'s decisions (watch, capture, trial, keep or drop,
+give up) and the exactness of steps that mix replayed and eager micro-batches, with graphs that compute eagerly and
+pass timings given by the test. The real graphs are tests/test_automatic_graphs.py's, on a GPU."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import pipecomm
+from pipecomm.runtime import boundary, graph_runner
+
+TOLERANCE = dict(rtol=1e-6, atol=1e-7)
+
+
+class EagerGraphs:
+    """``GraphedStage``'s interface, computed by autograd: a "capture" records the signature it serves, a "replay" runs
+    the module on detached copies of the inputs and keeps its autograd graph until the backward."""
+
+    fail_capture = False  # set by a test: the next capture raises
+
+    def __init__(self, module, params, slots, stage, loss, weight_grad_store=None, checked=False, **_):
+        self.module, self.params, self.loss, self.stage = module, params, loss, stage
+        self.output_layout = None
+        self.captured = False
+        self._signature = None
+        self._held = {}
+
+    def mismatch(self, inputs, targets):
+        signature = graph_runner._signature(inputs) + graph_runner._signature(targets)
+        return None if graph_runner._alike(signature, self._signature) else "another signature"
+
+    def replay(self, micro_batch, inputs, targets):
+        if not self.captured:
+            if EagerGraphs.fail_capture:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            self.captured = True
+            self._signature = graph_runner._signature(inputs) + graph_runner._signature(targets)
+        return self.replay_fitting(micro_batch, inputs, targets)
+
+    def replay_fitting(self, micro_batch, inputs, targets):
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs.tensors]
+        args, kwargs = boundary.unflatten(leaves, inputs.layout)
+        output = self.module(*args, **kwargs)
+        if self.loss is not None:
+            output = self.loss(output, *boundary.unflatten(targets.tensors, targets.layout))
+        flat = boundary.flatten(output)
+        self.output_layout = flat.layout
+        self._held[micro_batch] = (flat.tensors, leaves)
+        return tuple(t.detach().requires_grad_(t.requires_grad) for t in flat.tensors)
+
+    def backward(self, micro_batch, grads):
+        outputs, leaves = self._held.pop(micro_batch)
+        grads = grads or tuple(torch.ones_like(t) for t in outputs)
+        wanted = [t for t in leaves if t.requires_grad] + [p for p in self.params if p.requires_grad]
+        found = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True))
+        input_grads = [next(found) if t.requires_grad else None for t in leaves]
+        return input_grads, [next(found) if p.requires_grad else None for p in self.params]
+
+    def backward_weights(self, micro_batch):
+        return [None] * len(self.params)  # the "I" replay above computed every gradient: no Linear deferred
+
+    def changed_since_capture(self):
+        return None
+
+
+class GivenTimes:
+    """``PassTimer`` whose measurements are the test's: (GPU ms, host ms) per decision, in order."""
+
+    measurements: list[tuple[float, float]] = []
+
+    def start(self):
+        return None
+
+    def stop(self, started):
+        pass
+
+    def per_pass_ms(self):
+        return GivenTimes.measurements.pop(0)
+
+
+@pytest.fixture
+def adoption(monkeypatch):
+    """The default Pipeline on a CPU as if on a GPU, over ``EagerGraphs`` and ``GivenTimes``."""
+    monkeypatch.setattr(graph_runner, "GraphedStage", EagerGraphs)
+    monkeypatch.setattr(graph_runner, "PassTimer", GivenTimes)
+    monkeypatch.setattr(pipecomm.pipeline, "graph_mode", lambda cuda_graphs, *args, **kwargs: cuda_graphs)
+    monkeypatch.setattr(EagerGraphs, "fail_capture", False)
+    monkeypatch.setattr(GivenTimes, "measurements", [])
+
+
+def _train(steps, measurements, batch=lambda step: 16, schedule="1f1b", settled=None):
+    """``steps`` steps of the default Pipeline and of one process, each step's loss and gradients equal; the graph
+    states after each step (and, in ``settled``, whether "auto" had settled on its schedule)."""
+    GivenTimes.measurements[:] = measurements
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    reference = copy.deepcopy(module)
+    pipe = pipecomm.Pipeline(module, stage=0, num_stages=1, micro_batches=4, loss_fn=nn.functional.mse_loss,
+                             schedule=schedule)
+    states = []
+    for step in range(steps):
+        x, y = torch.randn(batch(step), 8), torch.randn(batch(step), 4)
+        loss = pipe.step(x, target=y)
+        expected = sum(nn.functional.mse_loss(reference(a), b) / 4 for a, b in zip(x.chunk(4), y.chunk(4)))
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), **TOLERANCE)
+        for param, ref in zip(module.parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, ref.grad, **TOLERANCE, msg=f"step {step}")
+            param.grad = ref.grad = None
+        states.append(pipe.cuda_graph_states[0])
+        if settled is not None:
+            settled.append(pipe.auto_step_times is not None)
+    return states
+
+
+HOST_BOUND = (1.0, 0.95)  # an eager pass: the host launches it in about its GPU span
+GPU_BOUND = (1.0, 0.2)
+FASTER, NOT_FASTER = (0.3, 0.1), (0.95, 0.1)
+
+
+def test_a_host_bound_stage_captures_at_the_third_step_and_keeps_faster_graphs(adoption):
+    assert _train(5, [HOST_BOUND, FASTER]) == ["watching", "to capture", "replaying", "replaying", "replaying"]
+
+
+def test_a_gpu_bound_stage_never_captures(adoption):
+    states = _train(4, [GPU_BOUND])
+    assert states[0] == "watching" and all("the GPU bounds it" in state for state in states[1:]), states
+
+
+def test_graphs_no_faster_than_eager_are_dropped_after_their_trial(adoption):
+    states = _train(5, [HOST_BOUND, NOT_FASTER])
+    assert states[:3] == ["watching", "to capture", "replaying"]
+    assert all(state.startswith("eager: replaying its CUDA graphs took the GPU 0.95 ms") for state in states[3:])
+
+
+def test_a_short_batch_runs_eagerly_and_two_in_a_row_start_the_watch_again(adoption):
+    states = _train(8, [HOST_BOUND, FASTER, HOST_BOUND, FASTER],
+                    batch=lambda step: 8 if step in (4, 5) else 16)
+    assert states == ["watching", "to capture", "replaying", "replaying", "replaying", "watching", "watching",
+                      "to capture"]
+
+
+def test_a_failed_capture_leaves_the_stage_eager_with_one_warning(adoption):
+    EagerGraphs.fail_capture = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        states = _train(4, [HOST_BOUND])
+    assert states[2:] == ["eager: capturing its CUDA graphs failed (RuntimeError: operation not permitted when stream "
+                          "is capturing)"] * 2
+    assert sum("runs eagerly from now on" in str(warning.message) for warning in caught) == 1
+
+
+def test_no_capture_while_schedule_auto_still_measures(adoption):
+    """"auto" switches schedules between its trials, each switch starts the watch again, and no capture falls in a
+    measured step: graphs come two steps after it settles."""
+    settled = []
+    states = _train(16, [HOST_BOUND, FASTER], schedule="auto", settled=settled)
+    last_measured = settled.index(True)
+    assert all(state == "watching" for state in states[:last_measured + 2]), states
+    assert states[last_measured + 2] == "to capture" and states[last_measured + 3] == "replaying", states
