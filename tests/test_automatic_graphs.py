@@ -4,6 +4,7 @@ against one eager process through short batches, frozen parameters, changed attr
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 
 import pipecomm
 from pipecomm.runtime.checks import graph_mode
+from pipecomm.runtime.cuda_graphs import GraphedStage
 from pipecomm.runtime.graph_runner import ShapeWatch
 from ranks import needs_cuda
 
@@ -65,6 +67,43 @@ def test_the_watch_counts_steps_whose_micro_batches_share_one_signature():
     for args, targets in [((b,), ()), ((a.double(),), ()), ((a.clone().requires_grad_(),), ()), ((a, 1), ()),
                           ((a,), (a,))]:
         assert _watched([[((a,), ())], [(args, targets)]]) == [(1, 0), (1, 1)]
+
+
+class Cached(nn.Module):
+    """Reads a tensor it keeps as a plain attribute, and a plain value."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.offset = torch.zeros(4)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.linear(x) * self.scale + self.offset
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda m: None, None),
+    (lambda m: m.offset.add_(1.0), None),  # in place: the replay reads the same memory
+    (lambda m: setattr(m, "offset", torch.ones(4)), r"Cached.offset \(was a tensor of shape \(4,\)\)"),
+    (lambda m: setattr(m, "scale", 2.0), r"Cached.scale \(was 1.0\)"),
+    (lambda m: setattr(m, "scale", 1), r"Cached.scale"),  # 1 is not 1.0 to a replay's baked constant's type
+    (lambda m: m.eval(), r"Cached.training \(was True\).*Linear.training"),
+    (lambda m: m.linear.weight.requires_grad_(False), "parameters' requires_grad"),
+    (lambda m: setattr(m.linear, "weight", nn.Parameter(m.linear.weight.detach().clone())),
+     "parameter objects.*parameters' memory"),
+    (lambda m: m.to(torch.float64), "parameters' memory.*buffers' memory|parameters' memory"),
+])
+def test_what_the_replays_cannot_see_is_named_as_changed(change, expected):
+    module = Cached()
+    graphed = GraphedStage(module, list(module.parameters()), slots=1, stage=0, loss=None)
+    graphed.record_state()  # as a capture ends
+    change(module)
+    found = graphed.changed_since_capture()
+    if expected is None:
+        assert found is None
+    else:
+        assert found is not None and re.search(expected, found), found
 
 
 # -- on a GPU ----------------------------------------------------------------------------------

@@ -39,12 +39,19 @@ _STATE_PARTS = ("parameter objects", "parameters' memory", "parameters' requires
 _MISSING = object()
 
 
-def _plain(value: object) -> bool:
-    return value is None or type(value) in (bool, int, float, str, torch.dtype)
+def _watched(value: object) -> bool:
+    """A module attribute a replay would read as the capture saw it: a plain value, or a tensor kept as a plain
+    attribute (not a parameter or buffer), which a replay reads at the address it had then."""
+    return value is None or type(value) in (bool, int, float, str, torch.dtype) or isinstance(value, torch.Tensor)
 
 
 def _same_value(now: object, then: object) -> bool:
-    return now is then or (type(now) is type(then) and now == then)
+    """Tensors by identity (their contents may change in place: the replay reads them), plain values by equality."""
+    return now is then or (type(now) is type(then) and not isinstance(now, torch.Tensor) and now == then)
+
+
+def _shown(value: object) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
 
 
 class GraphCheckError(RuntimeError):
@@ -151,7 +158,7 @@ class GraphedStage:
         parameter, buffer and attribute."""
         now = self._state()
         changed = [name for name, old, new in zip(_STATE_PARTS, self._captured_state, now) if old != new]
-        changed += [f"{type(module).__name__}.{name} (was {value!r})" for module, name, value in self._attributes
+        changed += [f"{type(module).__name__}.{name} (was {_shown(value)})" for module, name, value in self._attributes
                     if not _same_value(module.__dict__.get(name, _MISSING), value)]
         if not changed:
             return None
@@ -234,9 +241,13 @@ class GraphedStage:
             with torch.no_grad():
                 for buffer, value in buffers:
                     buffer.copy_(value)
+        self.record_state()
+
+    def record_state(self) -> None:
+        """What ``changed_since_capture`` compares against: the parameters', buffers' and modules' state now."""
         self._captured_state = self._state()
         self._attributes = [(module, name, value) for module in self.module.modules()
-                            for name, value in vars(module).items() if _plain(value)]
+                            for name, value in vars(module).items() if _watched(value)]
 
     def _warm_up(self, inputs: boundary.Flat, targets: boundary.Flat, autocast, device) -> tuple[tuple, torch.Tensor]:
         """Eager runs on a side stream; the last one's results (outputs, input and parameter gradients, W's) for the
