@@ -186,6 +186,7 @@ class Pipeline:
         bad arguments included, fails the call on every rank (see the module docstring).
         """
         with self.calls.call("step"):
+            self._prepared.check_parameters()
             self._tuning.before_step()
             loss = self._executor.run(*microbatch.split_step(inputs, kwargs, target, self.micro_batches, self.device,
                                                              first=0 in self.stages,

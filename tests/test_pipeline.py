@@ -513,3 +513,20 @@ def test_auto_refuses_placements_it_cannot_plan():
     stages = build_stages(3)
     with pytest.raises(ValueError, match='schedule="auto" plans one stage per rank, or two placed in a V'):
         pipecomm.Pipeline(stages, stage=[0, 1, 2], num_stages=3, loss_fn=loss_fn, micro_batches=4, schedule="auto")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_parameters_replaced_since_the_pipeline_was_built_are_refused(schedule):
+    """load_state_dict(assign=True) swaps the parameter objects the Pipeline's sinks, deferrals and graphs hold: the
+    next step says so (zb-h1 used to fail deep in its I pass, and CUDA graphs would have computed no gradient for the
+    new objects), where loading in place trains on."""
+    module = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    pipe = pipecomm.Pipeline(module, stage=0, num_stages=1, micro_batches=4, loss_fn=nn.functional.mse_loss,
+                             schedule=schedule)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    pipe.step(x, target=y)
+    module.load_state_dict({name: value.clone() for name, value in module.state_dict().items()})  # in place
+    pipe.step(x, target=y)
+    module.load_state_dict({name: value.clone() for name, value in module.state_dict().items()}, assign=True)
+    with pytest.raises(ValueError, match="stage 0's parameters are not the ones the Pipeline was built with"):
+        pipe.step(x, target=y)

@@ -35,6 +35,7 @@ class GradientSink:
 
     def __init__(self, params: list[nn.Parameter], main_grad: bool, live: nn.Module | None = None):
         self._params = params
+        self._ids = tuple(map(id, params))
         self._live = live
         self.main_grad = main_grad
         if main_grad:
@@ -53,6 +54,11 @@ class GradientSink:
         same sums in the same order as ``add``, with no gradient handed back to Python. Not for ``main_grad``
         buffers, nor for FSDP's gathered parameters, whose gradients go to its reduce-scatter."""
         return not self.main_grad and self._live is None
+
+    def replaced_in(self, module: nn.Module) -> bool:
+        """Whether ``module``'s parameters are other objects than the ones this sink was made for (as
+        ``load_state_dict(assign=True)`` leaves them); never for a live (sharded) sink, whose parameters FSDP swaps."""
+        return self._live is None and tuple(map(id, module.parameters())) != self._ids
 
     @property
     def params(self) -> list[nn.Parameter]:

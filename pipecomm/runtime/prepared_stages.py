@@ -37,6 +37,7 @@ class PreparedStages:
                                           live=module if sharded.holds(stage) else None)
                       for stage, module in modules.items()}
         self._modules = list(modules.values())
+        self._modules_by_stage = modules
         self._recompute = recompute
         self._cuda_graphs = cuda_graphs
         self.weight_grad_store: WeightGradStore | None = None
@@ -48,6 +49,16 @@ class PreparedStages:
                                       weight_grad_store=self.weight_grad_store, cuda_graphs=cuda_graphs,
                                       device_timeline=device_timeline)
         self._deferral_checked = False
+
+    def check_parameters(self) -> None:
+        """Before a step: a ValueError if a stage's parameters were replaced by other objects since the Pipeline was
+        built. Its gradient sinks, shared-parameter sums, zero-bubble deferrals and CUDA graphs hold the old ones, and
+        would hand the new ones some gradients and not others."""
+        for stage, module in self._modules_by_stage.items():
+            if self.sinks[stage].replaced_in(module):
+                raise ValueError(f"Pipeline: stage {stage}'s parameters are not the ones the Pipeline was built with "
+                                 "(replaced since, as load_state_dict(assign=True) or assigning a new nn.Parameter "
+                                 "does); load in place (assign=False, the default) or build a new Pipeline")
 
     def check_deferral(self) -> None:
         """After the first step: a zero-bubble schedule whose W had nothing to defer says so, once."""
