@@ -169,7 +169,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--cuda-graphs", action="store_true", help="replay each stage as CUDA graphs (GPUs only)")
+    parser.add_argument("--cuda-graphs", nargs="?", choices=("auto", "on", "off"), default="auto", const="on",
+                        help="CUDA graphs: auto (the Pipeline's default: where a stage is host-bound, checked), on "
+                             "(from the first step; the flag alone), off")
     parser.add_argument("--data", default=None, help="a text file to train on (bytes); synthetic data otherwise")
     args = parser.parse_args()
 
@@ -185,7 +187,8 @@ def main() -> None:
     stages = list(start.stages_of(context.stage))
     model, modules = build_stages(context, args.hidden, args.heads, args.layers, args.seq, stages, args.fsdp)
     pipe = build_pipeline(
-        context, modules, stages, args.micro_batches, args.schedule, cuda_graphs=args.cuda_graphs,
+        context, modules, stages, args.micro_batches, args.schedule,
+        cuda_graphs={"auto": "auto", "on": True, "off": False}[args.cuda_graphs],
         device_timing=context.device.type == "cuda",  # the bubble the GPUs saw, not the host's launch time
         recompute=args.recompute,
     )
