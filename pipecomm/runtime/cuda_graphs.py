@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipecomm.runtime import boundary
+from pipecomm.runtime.capture_state import CaptureState
 from pipecomm.schedules.schedule import Schedule
 from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported, weight_grad
 
@@ -32,26 +33,6 @@ _WARMUP_ITERATIONS = 2  # eager runs on a side stream before capture, so lazy in
 # more.
 _CHECK_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 2e-2}
 _CHECK_TOLERANCE_DEFAULT = 1e-3
-
-
-_STATE_PARTS = ("parameter objects", "parameters' memory", "parameters' requires_grad", "buffers' memory",
-                "autocast and grad mode")
-_MISSING = object()
-
-
-def _watched(value: object) -> bool:
-    """A module attribute a replay would read as the capture saw it: a plain value, or a tensor kept as a plain
-    attribute (not a parameter or buffer), which a replay reads at the address it had then."""
-    return value is None or type(value) in (bool, int, float, str, torch.dtype) or isinstance(value, torch.Tensor)
-
-
-def _same_value(now: object, then: object) -> bool:
-    """Tensors by identity (their contents may change in place: the replay reads them), plain values by equality."""
-    return now is then or (type(now) is type(then) and not isinstance(now, torch.Tensor) and now == then)
-
-
-def _shown(value: object) -> str:
-    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
 
 
 class GraphCheckError(RuntimeError):
@@ -106,8 +87,7 @@ class GraphedStage:
         self.store = weight_grad_store
         self.checked = checked
         self.output_layout: boundary.Layout | None = None  # the output structure without its tensors, from the capture
-        self._captured_state: tuple = ()  # what the replays read beside their inputs, as the capture saw it
-        self._attributes: list[tuple[nn.Module, str, object]] = []  # every module's plain-valued attributes then
+        self._seen: CaptureState | None = None  # what the replays read beside their inputs, as the capture saw it
         self._slots: list[_Slot] = []
 
     @property
@@ -152,23 +132,12 @@ class GraphedStage:
         return None
 
     def changed_since_capture(self) -> str | None:
-        """What the replays would miss that changed since the capture (None: nothing): a parameter or buffer moved to
-        other memory, a parameter frozen or unfrozen, a module attribute of a plain value set anew (``training``, a
-        dropout's ``p``, a temperature), autocast or grad mode changed. Cheap enough for every step: a few reads per
-        parameter, buffer and attribute."""
-        now = self._state()
-        changed = [name for name, old, new in zip(_STATE_PARTS, self._captured_state, now) if old != new]
-        changed += [f"{type(module).__name__}.{name} (was {_shown(value)})" for module, name, value in self._attributes
-                    if not _same_value(module.__dict__.get(name, _MISSING), value)]
+        """What changed since the capture that the replays would miss (``CaptureState``), said in one line; None if
+        nothing did."""
+        changed = self._seen.changed() if self._seen else []
         if not changed:
             return None
         return f"stage {self.stage}'s {', '.join(changed)} changed since the CUDA graphs were captured"
-
-    def _state(self) -> tuple:
-        params = list(self.module.parameters())
-        return (tuple(map(id, params)) == tuple(map(id, self.params)), tuple(p.data_ptr() for p in params),
-                tuple(p.requires_grad for p in params), tuple(b.data_ptr() for b in self.module.buffers()),
-                (torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")))
 
     def backward(self, micro_batch: int, grads: tuple | None) -> tuple[list, list]:
         """Replays the slot's backward for the outputs' ``grads`` (None: the loss's, captured as 1); returns
@@ -240,10 +209,8 @@ class GraphedStage:
         self.record_state()
 
     def record_state(self) -> None:
-        """What ``changed_since_capture`` compares against: the parameters', buffers' and modules' state now."""
-        self._captured_state = self._state()
-        self._attributes = [(module, name, value) for module in self.module.modules()
-                            for name, value in vars(module).items() if _watched(value)]
+        """What ``changed_since_capture`` compares against: the stage's state now."""
+        self._seen = CaptureState(self.module)
 
     def _warm_up(self, inputs: boundary.Flat, targets: boundary.Flat, autocast, device) -> tuple[tuple, torch.Tensor]:
         """Eager runs on a side stream; the last one's results (outputs, input and parameter gradients, W's) for the

@@ -1,0 +1,60 @@
+"""What a CUDA-graph capture of a stage saw besides its inputs, and whether it still holds.
+
+A replay reads the parameters and buffers at the addresses the capture found them, and every value the forward read
+from Python then as a constant. ``CaptureState`` records those a step can cheaply look at again: the parameters'
+and buffers' memory, which parameters require grad, every module's attributes holding plain values or tensors kept
+outside parameters and buffers, and autocast and grad mode. Values read from elsewhere (a global, a closure) it
+cannot see (docs/using.md, "CUDA graphs").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__: list[str] = []
+
+_PARTS = ("parameters' memory", "parameters' requires_grad", "buffers' memory", "autocast and grad mode")
+_MISSING = object()
+
+
+class CaptureState:
+    """``module``'s state as a capture leaves it; ``changed`` names what differs since."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._state = _state(module)
+        self._attributes = [(inner, name, value) for inner in module.modules()
+                            for name, value in vars(inner).items() if _watched(value)]
+
+    def changed(self) -> list[str]:
+        """What the replays would miss (empty: nothing): a parameter or buffer moved to other memory, a parameter
+        frozen or unfrozen, a watched attribute set anew (``training``, a dropout's ``p``, a temperature, a cached
+        tensor replaced), autocast or grad mode. Cheap enough for every step: a few reads per parameter, buffer and
+        attribute."""
+        changed = [name for name, old, new in zip(_PARTS, self._state, _state(self.module)) if old != new]
+        return changed + [f"{type(inner).__name__}.{name} (was {_shown(value)})"
+                          for inner, name, value in self._attributes
+                          if not _same_value(inner.__dict__.get(name, _MISSING), value)]
+
+
+def _state(module: nn.Module) -> tuple:
+    params = list(module.parameters())
+    return (tuple(p.data_ptr() for p in params), tuple(p.requires_grad for p in params),
+            tuple(b.data_ptr() for b in module.buffers()),
+            (torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")))
+
+
+def _watched(value: object) -> bool:
+    """A module attribute a replay would read as the capture saw it: a plain value, or a tensor kept as a plain
+    attribute (not a parameter or buffer), which a replay reads at the address it had then."""
+    return value is None or type(value) in (bool, int, float, str, torch.dtype) or isinstance(value, torch.Tensor)
+
+
+def _same_value(now: object, then: object) -> bool:
+    """Tensors by identity (their contents may change in place: the replay reads them), plain values by equality."""
+    return now is then or (type(now) is type(then) and not isinstance(now, torch.Tensor) and now == then)
+
+
+def _shown(value: object) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
