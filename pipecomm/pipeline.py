@@ -84,8 +84,9 @@ class Pipeline:
     host launches slower than the GPU runs them captures at the third and checks each graph's first replay against an
     eager run of the same micro-batch (a stage the GPU bounds stays eager: graphs would cost memory for nothing); a
     micro-batch that does not fit the graphs runs eagerly, and a parameter moved or frozen, a module attribute set
-    anew (``eval()``, a dropout's ``p``) or autocast changed drops them until the shapes hold again. It stays eager, with a one-line warning, where a capture or its check fails, and says nothing
-    where graphs do not apply (CPU, offload, recompute, sharded or tensor-parallel stages). ``cuda_graphs=True``
+    anew (``eval()``, a dropout's ``p``) or autocast changed drops them until the shapes hold again. It stays eager,
+    with a one-line warning, where a capture or its check fails, and says nothing where graphs do not apply (CPU,
+    offload, recompute, sharded or tensor-parallel stages). ``cuda_graphs=True``
     captures at the first step, unchecked, and refuses any change (not with schedule "auto"); False never captures.
     Graphs keep each in-flight micro-batch's activations in their own memory (docs/using.md, "CUDA graphs").
     ``device_timing=True`` times compute actions with CUDA events, so that ``bubble_fraction()`` reports the GPU's

@@ -13,7 +13,8 @@ from torch import nn
 
 import pipecomm
 from pipecomm.runtime.checks import graph_mode
-from pipecomm.runtime.cuda_graphs import GraphedStage
+from pipecomm.runtime import boundary
+from pipecomm.runtime.cuda_graphs import GraphedStage, signature, signature_difference
 from pipecomm.runtime.graph_runner import ShapeWatch
 from ranks import needs_cuda
 
@@ -270,3 +271,13 @@ def test_graphs_asked_for_refuse_a_change_they_cannot_see():
     module.scale = 2.0
     with pytest.raises(ValueError, match=r"Scaled.scale \(was 1.0\) changed since the CUDA graphs were captured"):
         pipe.step(x, target=y)
+
+
+def test_a_signature_difference_names_the_tensor_and_what_differs():
+    a = torch.zeros(2, 3)
+    captured = signature(boundary.flatten(((a,), {})), boundary.flatten(()))
+    needs_grad = signature(boundary.flatten(((a.clone().requires_grad_(),), {})), boundary.flatten(()))
+    assert signature_difference(captured, captured) is None
+    assert signature_difference(needs_grad, captured) == (
+        "input tensor 0 is (2, 3) torch.float32 on cpu, requiring grad, but the graphs were captured for (2, 3) "
+        "torch.float32 on cpu")

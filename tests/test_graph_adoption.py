@@ -13,6 +13,7 @@ from torch import nn
 
 import pipecomm
 from pipecomm.runtime import boundary, graph_runner
+from pipecomm.runtime.cuda_graphs import signature, signature_difference
 
 TOLERANCE = dict(rtol=1e-6, atol=1e-7)
 
@@ -31,15 +32,14 @@ class EagerGraphs:
         self._held = {}
 
     def mismatch(self, inputs, targets):
-        signature = graph_runner._signature(inputs) + graph_runner._signature(targets)
-        return None if graph_runner._alike(signature, self._signature) else "another signature"
+        return signature_difference(signature(inputs, targets), self._signature)
 
     def replay(self, micro_batch, inputs, targets):
         if not self.captured:
             if EagerGraphs.fail_capture:
                 raise RuntimeError("operation not permitted when stream is capturing")
             self.captured = True
-            self._signature = graph_runner._signature(inputs) + graph_runner._signature(targets)
+            self._signature = signature(inputs, targets)
         return self.replay_fitting(micro_batch, inputs, targets)
 
     def replay_fitting(self, micro_batch, inputs, targets):

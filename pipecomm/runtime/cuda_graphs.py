@@ -88,6 +88,7 @@ class GraphedStage:
         self.checked = checked
         self.output_layout: boundary.Layout | None = None  # the output structure without its tensors, from the capture
         self._seen: CaptureState | None = None  # what the replays read beside their inputs, as the capture saw it
+        self._signature: tuple = ()  # of the micro-batch the graphs were captured for (``signature``)
         self._slots: list[_Slot] = []
 
     @property
@@ -120,16 +121,7 @@ class GraphedStage:
 
     def mismatch(self, inputs: boundary.Flat, targets: boundary.Flat) -> str | None:
         """How a micro-batch's inputs or targets differ from those the graphs were captured with, or None."""
-        slot = self._slots[0]
-        for what, static, values in (("input", slot.inputs, inputs), ("target", slot.targets, targets)):
-            layout = boundary.layout_mismatch(values.layout, static.layout)
-            if layout:
-                return f"the {what}s differ from those the graphs were captured with: {layout}"
-            for index, (target, value) in enumerate(zip(static.tensors, values.tensors)):
-                if value.shape != target.shape or value.dtype != target.dtype or value.device != target.device:
-                    return (f"{what} tensor {index} is {(tuple(value.shape), value.dtype, str(value.device))}, but the "
-                            f"graphs were captured for {(tuple(target.shape), target.dtype, str(target.device))}")
-        return None
+        return signature_difference(signature(inputs, targets), self._signature)
 
     def changed_since_capture(self) -> str | None:
         """What changed since the capture that the replays would miss (``CaptureState``), said in one line; None if
@@ -189,6 +181,7 @@ class GraphedStage:
             if torch.is_autocast_enabled("cuda")
             else contextlib.nullcontext()
         )
+        self._signature = signature(inputs, targets)
         buffers = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
         stream, random_state = torch.cuda.current_stream(device), torch.cuda.get_rng_state(device)
         try:
@@ -316,6 +309,31 @@ def _release_random_state(device: torch.device, state: torch.Tensor) -> None:
     generator = torch.cuda.default_generators[index]
     generator.graphsafe_set_state(torch.Generator(device=torch.device("cuda", index)).graphsafe_get_state())
     torch.cuda.set_rng_state(state, device)
+
+
+def signature(inputs: boundary.Flat, targets: boundary.Flat) -> tuple:
+    """What a micro-batch must share with the one graphs were captured for, inputs then targets: the structure with
+    its non-tensor leaves, and each tensor's shape, dtype, device and requires_grad."""
+    return tuple((flat.layout, tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in flat.tensors))
+                 for flat in (inputs, targets))
+
+
+def signature_difference(one: tuple, captured: tuple) -> str | None:
+    """How signature ``one`` differs from the ``captured`` one, said; None if it does not."""
+    for what, (layout, tensors), (captured_layout, captured_tensors) in zip(("input", "target"), one, captured):
+        difference = boundary.layout_mismatch(layout, captured_layout)
+        if difference:
+            return f"the {what}s differ from those the graphs were captured with: {difference}"
+        for index, (tensor, captured_tensor) in enumerate(zip(tensors, captured_tensors)):
+            if tensor != captured_tensor:
+                return (f"{what} tensor {index} is {_described(tensor)}, but the graphs were captured for "
+                        f"{_described(captured_tensor)}")
+    return None
+
+
+def _described(tensor: tuple) -> str:
+    shape, dtype, device, requires_grad = tensor
+    return f"{tuple(shape)} {dtype} on {device}{', requiring grad' if requires_grad else ''}"
 
 
 def _copy_in(static: boundary.Flat, values: boundary.Flat) -> None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from pipecomm.runtime import boundary
-from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots
+from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots, signature, signature_difference
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.split_backward import WeightGradStore
 from pipecomm.runtime.stage_runner import EagerStage
@@ -39,8 +39,8 @@ _HOST_SHARE = 0.5  # no capture where the host launches an eager pass in less th
 
 
 class ShapeWatch:
-    """Whether a stage's micro-batches keep one signature (structure, non-tensor leaves, each tensor's shape, dtype,
-    device and requires_grad) over consecutive steps."""
+    """Whether a stage's micro-batches keep one ``signature`` (structure, non-tensor leaves, each tensor's shape,
+    dtype, device and requires_grad: what a capture will serve) over consecutive steps."""
 
     def __init__(self) -> None:
         self.steps_alike = 0
@@ -50,15 +50,15 @@ class ShapeWatch:
         self._mixed = False  # this step's micro-batches differ among themselves
 
     def see(self, args: tuple, kwargs: dict, targets: tuple) -> None:
-        signature = _signature(boundary.flatten((args, kwargs))) + _signature(boundary.flatten(targets))
+        seen = signature(boundary.flatten((args, kwargs)), boundary.flatten(targets))
         if self._step is None:
-            self._step = signature
-        elif not _alike(signature, self._step):
+            self._step = seen
+        elif signature_difference(seen, self._step):
             self._mixed = True
 
     def step_done(self) -> None:
         step = None if self._mixed else self._step
-        if step is not None and self._last is not None and _alike(step, self._last):
+        if step is not None and self._last is not None and not signature_difference(step, self._last):
             self.steps_alike += 1
         else:
             self.changes += self._last is not None
@@ -92,16 +92,6 @@ class PassTimer:
         count = len(self._spans)
         return (sum(begin.elapsed_time(end) for begin, end, _ in self._spans) / count,
                 sum(host for _, _, host in self._spans) * 1e3 / count)
-
-
-def _signature(flat: boundary.Flat) -> tuple:
-    return flat.layout, tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in flat.tensors)
-
-
-def _alike(one: tuple, other: tuple) -> bool:
-    """Whether two signatures (inputs' layout and tensors, then the targets') are the same."""
-    return all(boundary.layout_mismatch(one[index], other[index]) is None and one[index + 1] == other[index + 1]
-               for index in (0, 2))
 
 
 class GraphRunner(EagerStage):

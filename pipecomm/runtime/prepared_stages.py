@@ -37,7 +37,6 @@ class PreparedStages:
                                           live=module if sharded.holds(stage) else None)
                       for stage, module in modules.items()}
         self._modules = list(modules.values())
-        self._modules_by_stage = modules
         self._recompute = recompute
         self._cuda_graphs = cuda_graphs
         self.weight_grad_store: WeightGradStore | None = None
@@ -54,8 +53,8 @@ class PreparedStages:
         """Before a step: a ValueError if a stage's parameters were replaced by other objects since the Pipeline was
         built. Its gradient sinks, shared-parameter sums, zero-bubble deferrals and CUDA graphs hold the old ones, and
         would hand the new ones some gradients and not others."""
-        for stage, module in self._modules_by_stage.items():
-            if self.sinks[stage].replaced_in(module):
+        for stage, runner in self.executor.stages.items():
+            if self.sinks[stage].replaced_in(runner.module):
                 raise ValueError(f"Pipeline: stage {stage}'s parameters are not the ones the Pipeline was built with "
                                  "(replaced since, as load_state_dict(assign=True) or assigning a new nn.Parameter "
                                  "does); load in place (assign=False, the default) or build a new Pipeline")
