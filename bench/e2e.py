@@ -5,10 +5,14 @@ block stack in bf16 (pre-norm causal self-attention through scaled_dot_product_a
 MLP), --layers L (default 8), split into p stages of L/p layers (interleaved schedules: 2p
 chunks, rank r holds chunks r and r + p; zb-v, torch's ZBVZeroBubble and DualPipeV: 2p chunks in a V, rank r
 holds chunks r and 2p - 1 - r). The batch is micro_batch_size * micro_batches sequences;
-the loss is the MSE against a random target. Each layer is initialised from its own seed, so every schedule trains the
-same model on the same data (the loss column must agree across rows).
+the loss is the MSE against a random target. The llama config is a Hugging Face Llama built from a config instead
+(bench/llama_stage.py; d = 2048, heads d / 128, key-value heads d / 256, a 4x MLP, vocabulary 8192, --layers decoder
+layers, issue 33's shape): the first stage also holds the embedding and takes token ids, the last the final norm and
+LM head, and the loss is the next-token cross entropy. Each layer is initialised from its own seed, so every schedule
+trains the same model on the same data (the loss column must agree across rows).
 
-Per config (d / seq / micro-batch size / micro-batches, the three of ../shared/GPU-BASELINES.md) and
+Per config (d / seq / micro-batch size / micro-batches; compute, medium and overhead are the three of
+../shared/GPU-BASELINES.md) and
 schedule it reports the median step time (CUDA events, after warm-up; the slower rank), the
 efficiency = one stage's pure compute time / step time, where the compute time is forward + backward
 of one stage's layers on one micro-batch on one GPU without a pipeline, times micro_batches (the
@@ -34,7 +38,8 @@ interleaved-1f1b, zb-v against GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble).
 
 --smoke runs it on CPU (gloo, pipecomm's shared-memory channels, fp32, d=32, seq=16) to check the
 control flow; its numbers mean nothing. --cpu is a real CPU measurement (gloo, fp32, one thread per
-rank, d=128, seq=64, micro-batch size 2: a step of about 200 ms on two cores). --transport
+rank, d=128, seq=64, micro-batch size 2: a step of about 200 ms on two cores); both give the Llama a vocabulary of
+128. --transport
 shm,dist runs each pipecomm schedule once per channel backend (rows "1f1b@dist", ...). On CPU the
 parent also computes the loss in one process without a pipeline, and a schedule whose loss differs
 from it fails the run.
@@ -66,6 +71,7 @@ from pipecomm.schedules.schedule import looped_placement, make_schedule, v_place
 from pipecomm.schedules.simulation import simulate
 
 from _common import RankFailure, environment, print_environment, print_table, spawn_ranks, start_rank, write_json
+from llama_stage import LlamaStage, llama_config, token_batch, token_loss
 
 VIRTUAL = 2  # chunks per rank for the interleaved schedules
 
@@ -114,6 +120,8 @@ class Config:
     seq: int
     micro_batch_size: int
     micro_batches: int
+    model: str = "gpt"  # "gpt": GPT blocks on hidden states; "llama": a Hugging Face Llama on token ids
+    vocab: int = 0  # llama's
 
     @property
     def heads(self) -> int:
@@ -124,12 +132,14 @@ CONFIGS = {
     "compute": Config("compute", 2048, 1024, 4, 8),
     "medium": Config("medium", 1024, 512, 2, 16),
     "overhead": Config("overhead", 512, 128, 1, 32),
+    "llama": Config("llama", 2048, 1024, 2, 8, model="llama", vocab=8192),
 }
 
 
 # mode -> (hidden, seq, micro-batch size) replacing every config's own on CPU, micro-batch counts kept:
 # toy sizes that only run the control flow, and sizes where compute, not Python, fills a CPU step.
 CPU_SHAPES = {"smoke": (32, 16, 2), "cpu": (128, 64, 2)}
+CPU_VOCAB = 128  # llama's on CPU: its LM head and logits would otherwise outweigh the toy layers
 
 
 def config_named(name: str, mode: str) -> Config:
@@ -140,7 +150,8 @@ def config_named(name: str, mode: str) -> Config:
         config = replace(config, name=name, micro_batches=int(micro_batches))
     if mode in CPU_SHAPES:
         hidden, seq, micro_batch_size = CPU_SHAPES[mode]
-        config = replace(config, hidden=hidden, seq=seq, micro_batch_size=micro_batch_size)
+        config = replace(config, hidden=hidden, seq=seq, micro_batch_size=micro_batch_size,
+                         vocab=CPU_VOCAB if config.model == "llama" else config.vocab)
     return config
 
 
@@ -170,8 +181,15 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm_mlp(x)), approximate="tanh"))
 
 
-def build_chunk(layers: range, config: Config, device: torch.device, dtype: torch.dtype) -> nn.Sequential:
-    """Layers of the 8-layer stack; layer i is initialised from seed i, so every split holds the same model."""
+def build_chunk(layers: range, config: Config, device: torch.device, dtype: torch.dtype,
+                last: bool = False) -> nn.Module:
+    """Layers of the stack; layer i is initialised from seed i, so every split holds the same model. A Llama chunk
+    also holds the embedding when it starts the stack, and the final norm and LM head when it is the ``last``."""
+    if config.model == "llama":
+        # num_hidden_layers only has to cover the layers' indexes: no layer reads it.
+        llama = llama_config(config.hidden, layers.stop, config.seq, config.vocab)
+        with torch.device(device):
+            return LlamaStage(llama, layers, first=layers.start == 0, last=last).to(dtype)
     blocks = []
     for layer in layers:
         torch.manual_seed(1000 + layer)
@@ -208,12 +226,20 @@ def chunk_layers(stage_ranks: tuple[int, ...], rank: int, layers: int) -> list[t
             for stage, holder in enumerate(stage_ranks) if holder == rank]
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output.float(), target.float())
 
 
+def loss_for(config: Config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The GPT's MSE against a random target; the Llama's next-token cross entropy."""
+    return token_loss if config.model == "llama" else mse_loss
+
+
 def make_batch(config: Config, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same inputs and targets on every rank, in every schedule and in the one-process reference."""
+    """The same inputs and targets on every rank, in every schedule and in the one-process reference: hidden states
+    and a target of their shape for the GPT, token ids and the next tokens for the Llama."""
+    if config.model == "llama":
+        return token_batch(config.micro_batch_size * config.micro_batches, config.seq, config.vocab, device)
     generator = torch.Generator(device).manual_seed(7)
     shape = (config.micro_batch_size * config.micro_batches, config.seq, config.hidden)
     inputs = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
@@ -223,8 +249,9 @@ def make_batch(config: Config, device: torch.device, dtype: torch.dtype) -> tupl
 
 def reference_loss(config: Config, layers: int) -> float:
     """The step's loss in one process without a pipeline: the mean of the micro-batches' losses."""
-    model = build_chunk(range(layers), config, torch.device("cpu"), torch.float32)
+    model = build_chunk(range(layers), config, torch.device("cpu"), torch.float32, last=True)
     inputs, target = make_batch(config, torch.device("cpu"), torch.float32)
+    loss_fn = loss_for(config)
     with torch.no_grad():
         losses = [loss_fn(model(micro_inputs), micro_target) for micro_inputs, micro_target
                   in zip(inputs.chunk(config.micro_batches), target.chunk(config.micro_batches))]
@@ -321,13 +348,17 @@ class Rank:
         """One stage (this rank's layers), forward + backward of one micro-batch, no pipeline: median ms, and
         the stage's 1F1B memory floor."""
         [(stage, layers)] = chunk_layers(placement("looped", self.args.ranks), self.rank, self.args.layers)
-        module = build_chunk(layers, config, self.device, self.dtype)
-        inputs, target = self.batch(config)
-        micro_inputs = inputs[: config.micro_batch_size].clone()
-        micro_target = target[: config.micro_batch_size].clone()
         last = stage == self.args.ranks - 1
-        micro_inputs.requires_grad_(stage > 0)  # as in the pipeline: later stages send input grads back
-        output_grad = torch.randn_like(micro_inputs)
+        module = build_chunk(layers, config, self.device, self.dtype, last=last)
+        inputs, target = self.batch(config)
+        micro_target = target[: config.micro_batch_size].clone()
+        # What a stage receives and sends on: the batch's own inputs into stage 0 (the Llama's token ids), hidden
+        # states between stages; a later stage's input needs its gradient, which it sends back in a pipeline.
+        hidden = (config.micro_batch_size, config.seq, config.hidden)
+        micro_inputs = (inputs[: config.micro_batch_size].clone() if stage == 0
+                        else torch.randn(hidden, device=self.device, dtype=self.dtype, requires_grad=True))
+        output_grad = torch.randn(hidden, device=self.device, dtype=self.dtype)
+        loss_fn = loss_for(config)
 
         def forward_backward() -> None:
             output = module(micro_inputs)
@@ -372,6 +403,11 @@ class Rank:
 
     # -- schedules -----------------------------------------------------------------------------
 
+    def build_chunks(self, config: Config, held: list[tuple[int, range]], num_stages: int) -> list[nn.Module]:
+        """This rank's chunks, for chunk_layers' (stage, layers)."""
+        return [build_chunk(layers, config, self.device, self.dtype, last=stage == num_stages - 1)
+                for stage, layers in held]
+
     def pipecomm_runner(self, config: Config, schedule: str) -> tuple[Callable[[], torch.Tensor], Callable[[], None], Any]:
         import pipecomm
 
@@ -380,13 +416,13 @@ class Rank:
         schedule = schedule.removesuffix(GRAPHS).removesuffix(EAGER)
         stage_ranks = placement(layout_of(schedule), self.args.ranks)
         held = chunk_layers(stage_ranks, self.rank, self.args.layers)
-        modules = [build_chunk(layers, config, self.device, self.dtype) for _, layers in held]
+        modules = self.build_chunks(config, held, len(stage_ranks))
         stages = [stage for stage, _ in held]
         pipe = pipecomm.Pipeline(
             modules if len(modules) > 1 else modules[0],
             stage=stages if len(stages) > 1 else stages[0],
             num_stages=len(stage_ranks),
-            loss_fn=loss_fn,
+            loss_fn=loss_for(config),
             micro_batches=config.micro_batches,
             schedule=schedule,
             device=self.device,
@@ -414,10 +450,11 @@ class Rank:
             raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.pipelining.{class_name}")
         stage_ranks = placement(layout, self.args.ranks)
         held = chunk_layers(stage_ranks, self.rank, self.args.layers)
-        modules = [build_chunk(layers, config, self.device, self.dtype) for _, layers in held]
+        modules = self.build_chunks(config, held, len(stage_ranks))
         stages = [pipelining.PipelineStage(module, stage, len(stage_ranks), self.device)
                   for module, (stage, _) in zip(modules, held)]
-        schedule = schedule_class(stages if len(stages) > 1 else stages[0], config.micro_batches, loss_fn=loss_fn)
+        schedule = schedule_class(stages if len(stages) > 1 else stages[0], config.micro_batches,
+                                  loss_fn=loss_for(config))
         inputs, target = self.batch(config)
         first = any(stage == 0 for stage, _ in held)
         last = any(stage == len(stage_ranks) - 1 for stage, _ in held)
@@ -755,7 +792,7 @@ def plot(path: Path, rows: dict[str, list[dict[str, Any]]], summaries: dict[str,
     axes.set_ylim(0, 1.05)
     axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ranks = next(iter(summaries.values()))["ranks"] if summaries else "?"
-    axes.set_title(f"{ranks}-rank GPT pipeline: pipecomm (solid) vs torch.distributed.pipelining (hatched)", fontsize=9)
+    axes.set_title(f"{ranks}-rank pipeline: pipecomm (solid) vs torch.distributed.pipelining (hatched)", fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
@@ -777,7 +814,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "instead of at its own")
     parser.add_argument("--ranks", type=int, default=2, help="pipeline ranks, one GPU each (2, 4 or 8)")
     parser.add_argument("--layers", type=int, default=8,
-                        help="GPT layers; divisible by 2 x ranks (the interleaved and V schedules' stage count)")
+                        help="GPT or Llama decoder layers; divisible by 2 x ranks (the interleaved and V schedules' "
+                             "stage count)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per schedule; the median is reported")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (after one connecting step)")
     parser.add_argument("--timeout", type=int, default=120, help="seconds for init, connect and any one wait")
@@ -863,8 +901,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.cpu:
         print(f"# CPU RUN: gloo, fp32, one thread per rank, {os.cpu_count()} cores; pipecomm channels: {args.transport}")
     clock = "CUDA events" if args.mode == "gpu" else "host clock"
-    print(f"# {args.layers} GPT layers, {args.ranks} ranks; step_ms = median of {args.steps} steps after "
-          f"{args.warmup} warm-up ({clock}, slower rank); wall_ms = host time per step over the timed loop; "
+    print(f"# {args.layers} layers (GPT blocks, or Llama decoder layers), {args.ranks} ranks; step_ms = median of "
+          f"{args.steps} steps after {args.warmup} warm-up ({clock}, slower rank); "
+          "wall_ms = host time per step over the timed loop; "
           "eff = one stage's forward+backward of one micro-batch x micro_batches / step_ms; ideal = m/(m+p-1); "
           "bubble = 1 - eff; theory = the schedule's simulated bubble (F=1, B=2, I=W=1, free transfers); "
           "speed_vs_torch_1f1b = torch 1F1B step_ms / step_ms; memN_GB = peak allocated on rank N (+ CUDA-graph pools), warm-up included; steady = the same over the timed steps only")

@@ -13,7 +13,7 @@ of each action, exclusive of the actions and losses it calls:
   step's setup, splitting the batch, the loss's reduction, the result's broadcast).
 
 Models (``--models``): ``mha``, pre-norm blocks of ``nn.MultiheadAttention`` and a GELU MLP (many small kernels);
-``llama``, a Hugging Face LlamaForCausalLM built from a config, its decoder layers in two halves (LlamaStage); ``gpt``, bench/e2e.py's GPT blocks;
+``llama``, a Hugging Face Llama built from a config, its decoder layers in two halves (llama_stage.LlamaStage); ``gpt``, bench/e2e.py's GPT blocks;
 ``tiny`` (not run by default), a stage of one ``Linear(8, 8)`` on micro-batches of 2 samples, so that a step is the
 libraries' fixed cost alone (issue 33's CPU target compares its wall time per step, ``wall_vs_torch``).
 ``--micro-batches 8,32`` runs every model once per micro-batch count instead of its shape's. On CPU (``--cpu``: gloo,
@@ -48,6 +48,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import environment, print_environment, print_table, spawn_ranks, start_rank, write_json  # noqa: E402
+from llama_stage import LlamaStage, llama_config, token_batch, token_loss  # noqa: E402
 
 # "pipecomm 1f1b" is the Pipeline as built with no speed flags (cuda_graphs="auto": graphed from the third step on
 # GPUs, within the warm-up); "eager" rows pass cuda_graphs=False.
@@ -158,29 +159,6 @@ class MHABlock(nn.Module):
         return x + self.mlp(self.norm_mlp(x))
 
 
-class LlamaStage(nn.Module):
-    """Half of a Hugging Face Llama's decoder layers, with the embedding on the first half and the final norm and LM
-    head on the second; each half computes its positions and rotary embeddings itself (they depend on the shape
-    only), so that only the hidden states cross (torch 2.11's PipelineStage sends a gradient back for every tensor
-    it receives, which the position ids and the causal mask have none of). The attention is causal (sdpa, no mask)."""
-
-    def __init__(self, llama: nn.Module, layers: range, first: bool, last: bool):
-        super().__init__()
-        self.embed = llama.model.embed_tokens if first else None
-        self.layers = nn.ModuleList(llama.model.layers[index] for index in layers)
-        self.rotary = llama.model.rotary_emb
-        self.norm, self.head = (llama.model.norm, llama.lm_head) if last else (None, None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(x) if self.embed is not None else x
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        rotary = self.rotary(hidden, positions)
-        for layer in self.layers:
-            output = layer(hidden, position_ids=positions, position_embeddings=rotary)
-            hidden = output[0] if isinstance(output, tuple) else output  # older transformers return a tuple
-        return self.head(self.norm(hidden)) if self.head is not None else hidden
-
-
 def build_stage(model: str, shape: Shape, rank: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Rank ``rank``'s half of the model: layer i seeded by i, so both ranks hold one model whatever the split."""
     half = range(rank * shape.layers // 2, (rank + 1) * shape.layers // 2)
@@ -198,23 +176,16 @@ def build_stage(model: str, shape: Shape, rank: int, device: torch.device, dtype
             torch.manual_seed(1000 + layer)  # as e2e.build_chunk seeds its blocks
             blocks.append(MHABlock(shape.hidden))
         return nn.Sequential(*blocks).to(device, dtype)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=4 * shape.hidden,
-                         num_hidden_layers=shape.layers, num_attention_heads=max(2, shape.hidden // 128),
-                         num_key_value_heads=max(1, shape.hidden // 256), max_position_embeddings=shape.seq,
-                         use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
-    llama = LlamaForCausalLM(config)
-    return LlamaStage(llama, half, first=rank == 0, last=rank == 1).to(device, dtype)
+    config = llama_config(shape.hidden, shape.layers, shape.seq, shape.vocab)
+    with torch.device(device):
+        return LlamaStage(config, half, first=rank == 0, last=rank == 1).to(dtype)
 
 
 def make_batch(model: str, shape: Shape, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(7)
     batch = shape.micro_batch_size * shape.micro_batches
     if model == "llama":
-        tokens = torch.randint(0, shape.vocab, (batch, shape.seq + 1), generator=generator)
-        return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+        return token_batch(batch, shape.seq, shape.vocab, device)
+    generator = torch.Generator().manual_seed(7)
     dims = (batch, shape.hidden) if model == "tiny" else (batch, shape.seq, shape.hidden)
     inputs, target = torch.randn(dims, generator=generator), torch.randn(dims, generator=generator)
     return inputs.to(device, dtype), target.to(device, dtype)
@@ -222,7 +193,7 @@ def make_batch(model: str, shape: Shape, device: torch.device, dtype: torch.dtyp
 
 def loss_for(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     if model == "llama":
-        return lambda logits, labels: F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return token_loss
     return lambda output, target: F.mse_loss(output.float(), target.float())
 
 

@@ -3,9 +3,9 @@ activation offload (Pipeline(offload=...)).
 
 The stage is stage 0 of an 8-layer stack split into p stages (8 / p layers, bf16), on the compute config by default
 (d = 2048, seq = 1024, micro-batch size 4). ``--model gpt`` (default): e2e.py's GPT blocks, on hidden states.
-``--model llama``: a transformers LlamaForCausalLM built from a LlamaConfig (no download; the config's d, heads and
+``--model llama``: a transformers Llama built from a LlamaConfig (no download; the config's d, heads and
 seq, a quarter of the heads for keys and values, MLP 2.75 d, vocabulary 32000), on token ids: its stage 0 is the
-embedding and the first 8 / p decoder layers in host_cost.py's LlamaStage, which computes the positions and rotary
+embedding and the first 8 / p decoder layers in llama_stage.py's LlamaStage, which computes the positions and rotary
 embeddings inside the stage and runs causal sdpa with no mask, as LlamaModel does without padding.
 Each round runs that stage's passes of a 1F1B step of 2p micro-batches in their order (p forwards, then one backward
 and one forward in turn, then the last backwards; random output gradients). The other stages' passes are left out;
@@ -51,10 +51,10 @@ from pipecomm.schedules.schedule import make_schedule  # noqa: E402
 from pipecomm.schedules.simulation import simulate  # noqa: E402
 from _common import elapsed_ms, environment, print_environment, print_table, write_json  # noqa: E402
 from e2e import Config, build_chunk, config_named, make_batch  # noqa: E402
-from host_cost import LlamaStage  # noqa: E402
+from llama_stage import LlamaStage, llama_config  # noqa: E402
 
 LAYERS = 8  # in the whole stack, e2e.py's and the Llama's
-MODELS = {"gpt": "e2e.py's GPT blocks", "llama": "transformers LlamaForCausalLM: embedding + decoder layers"}
+MODELS = {"gpt": "e2e.py's GPT blocks", "llama": "transformers Llama: embedding + decoder layers"}
 LLAMA_VOCAB = {"gpu": 32000, "smoke": 256}
 MODES = ("none", "stage", "layers", "offload", "offload+stage")
 COLUMNS = ["p", "mode", "layers", "peak_GiB", "above_base_GiB", "kept_MiB", "ms_per_micro_batch", "pipeline_ms",
@@ -89,18 +89,11 @@ def build_stage(model: str, config: Config, size: str, layers: range, device: to
         module = build_chunk(layers, config, device, dtype)
         inputs, _ = make_batch(config, device, dtype)
         return module, inputs[: config.micro_batch_size], list(module)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     vocab = LLAMA_VOCAB[size]
-    llama_config = LlamaConfig(vocab_size=vocab, hidden_size=config.hidden, intermediate_size=11 * config.hidden // 4,
-                               num_hidden_layers=LAYERS, num_attention_heads=config.heads,
-                               num_key_value_heads=max(1, config.heads // 4), max_position_embeddings=config.seq,
-                               use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                               attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(device):  # the whole model: what stage 0 does not hold is freed on return
-        llama = LlamaForCausalLM(llama_config)
-    module = LlamaStage(llama, layers, first=True, last=False).to(dtype)
+    llama = llama_config(config.hidden, LAYERS, config.seq, vocab, intermediate_size=11 * config.hidden // 4,
+                         num_attention_heads=config.heads, num_key_value_heads=max(1, config.heads // 4))
+    with torch.device(device):
+        module = LlamaStage(llama, layers, first=True, last=False).to(dtype)
     generator = torch.Generator(device).manual_seed(7)
     tokens = torch.randint(0, vocab, (config.micro_batch_size, config.seq), generator=generator, device=device)
     return module, tokens, list(module.layers)

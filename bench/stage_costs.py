@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import pipecomm  # noqa: E402
 from pipecomm.runtime import step_trace  # noqa: E402
 from _common import environment, print_environment, write_json  # noqa: E402
-from e2e import build_chunk, config_named, loss_fn, make_batch  # noqa: E402
+from e2e import build_chunk, config_named, make_batch, mse_loss  # noqa: E402
 from schedules import table  # noqa: E402
 
 STAGE_LAYERS = 4  # one of two stages of e2e.py's 8 layers
@@ -29,7 +29,7 @@ STAGE_LAYERS = 4  # one of two stages of e2e.py's 8 layers
 def stage_costs(config_name: str, device: torch.device, dtype: torch.dtype, steps: int) -> dict[str, float]:
     config = config_named(config_name, "gpu" if device.type == "cuda" else "smoke")
     module = build_chunk(range(STAGE_LAYERS), config, device, dtype)
-    pipe = pipecomm.Pipeline(module, stage=0, num_stages=1, loss_fn=loss_fn, micro_batches=config.micro_batches,
+    pipe = pipecomm.Pipeline(module, stage=0, num_stages=1, loss_fn=mse_loss, micro_batches=config.micro_batches,
                              schedule="zb-h1", device=device, device_timing=device.type == "cuda")
     inputs, target = make_batch(config, device, dtype)
     durations: dict[str, list[float]] = {"F": [], "I": [], "W": []}

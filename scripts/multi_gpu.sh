@@ -2,8 +2,9 @@
 # The multi-GPU measurement on one host of 4 GPUs (2 suffice for the p = 2 phases), phase by phase:
 #   bash scripts/multi_gpu.sh build twins e2e4 p2p ...
 # Phases: build, twins (the multi-GPU CUDA twins), nccl-twins (the NCCL ones, to the first failure), e2e4 and e2e2 (bench/e2e.py at p = 4 and p = 2, the
-# p = 2 halves on GPUs 0,1 and 2,3 at once), dist (the 2-stage pipeline forced onto NCCL, against torch and IPC),
-# hf2 and hf4 (examples/train_hf.py with every schedule), 3d-fsdp and 3d-tp (bench/parallel_3d.py), p2p, inference.
+# p = 2 halves on GPUs 0,1 and 2,3 at once), e2e4-llama (bench/e2e.py's Hugging Face Llama config at p = 4),
+# dist (the 2-stage pipeline forced onto NCCL, against torch and IPC), hf2 and hf4 (examples/train_hf.py with every
+# schedule), 3d-fsdp and 3d-tp (bench/parallel_3d.py), p2p, inference.
 # Each phase writes /tmp/pipecomm-gpu/<phase>*.{txt,json}; after each the whole folder is packed into
 # $OUT/results.tgz, so a run cut short still brings back what it measured.
 set -uo pipefail
@@ -62,6 +63,9 @@ phase() {
         --trace "$work/trace-p4" --json "$work/e2e4-compute.json"
       on_gpus 0,1,2,3 e2e4-medium-overhead python3 bench/e2e.py --ranks 4 --configs medium,overhead --steps 10 \
         --timeout 60 --json "$work/e2e4-medium-overhead.json" ;;
+    e2e4-llama)
+      on_gpus 0,1,2,3 e2e4-llama python3 bench/e2e.py --ranks 4 --configs llama --steps 10 --timeout 60 \
+        --json "$work/e2e4-llama.json" ;;
     e2e2)  # the compute config, then the NCCL path, on GPUs 0,1 while medium and overhead run on GPUs 2,3
       { on_gpus 0,1 e2e2-compute python3 bench/e2e.py --ranks 2 --configs compute --steps 10 --timeout 60 \
           --trace "$work/trace-p2" --json "$work/e2e2-compute.json"

@@ -102,6 +102,22 @@ def test_e2e_smoke_runs_the_v_zero_bubble_and_auto_rows(tmp_path, run_bench):
     assert any(target.startswith("compute: best pipecomm schedule at <= torch 1F1B's peak memory") for target in goals)
 
 
+def test_e2e_smoke_runs_the_llama_config_against_the_one_process_loss(tmp_path, run_bench):
+    # A looped and a V layout from each library: token ids into the first stage, logits out of the last.
+    schedules = ["1f1b", "zb-v", "torch 1F1B", "torch ZBVZeroBubble"]
+    result = run_bench("e2e.py", "--configs", "llama", "--steps", "1", "--warmup", "0",
+                       "--schedules", ",".join(schedules), "--json", str(tmp_path / "e2e.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "e2e.json").read_text())
+    llama = report["configs"]["llama"]
+    assert llama["shape"]["model"] == "llama" and llama["shape"]["vocab"] == 128
+    rows = report["rows"]["llama"]
+    assert [row["schedule"] for row in rows] == schedules
+    assert all("error" not in row and row["step_ms"] > 0 for row in rows), rows
+    assert llama["reference_spread"] <= 1e-4
+    assert all(row["loss"] == pytest.approx(llama["reference_loss"], rel=1e-4) for row in rows)
+
+
 def test_e2e_memory_bound_target_leaves_zb_h2_apart(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     import e2e
