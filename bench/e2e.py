@@ -344,6 +344,22 @@ class Rank:
         wall_ms = (time.perf_counter() - wall_start) * 1e3 / steps
         return samples, wall_ms
 
+    @contextlib.contextmanager
+    def memory_history(self, row: str, enabled: bool):
+        """With --memory-history: the caching allocator's events (and their Python stacks) over the timed steps,
+        written to DIR/<row>-rank<r>.pickle for torch's memory_viz or scripts/peak_memory.py."""
+        if not (enabled and self.cuda and self.args.memory_history):
+            yield
+            return
+        torch.cuda.memory._record_memory_history(max_entries=300_000, context="alloc", stacks="python")
+        try:
+            yield
+        finally:
+            folder = Path(self.args.memory_history)
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(folder / f"{row}-rank{self.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+
     def compute_ms(self, config: Config) -> tuple[float, dict[str, float] | None]:
         """One stage (this rank's layers), forward + backward of one micro-batch, no pipeline: median ms, and
         the stage's 1F1B memory floor."""
@@ -509,7 +525,8 @@ class Rank:
                 loss = self.run_until_settled(step, pipe, result)
             result["loss"] = float(loss) if loss is not None else None
             self.synchronize()
-            samples, wall_ms = self.time_steps(step, self.args.warmup, self.args.steps)
+            with self.memory_history(f"{config.name}-{name}", enabled=pipe is not None):
+                samples, wall_ms = self.time_steps(step, self.args.warmup, self.args.steps)
             result.update(step_ms=samples, wall_ms=wall_ms, peak_gb=self.peak_gb(self.warm_up_peak),
                           steady_gb=self.peak_gb())
             if pipe is not None:
@@ -615,6 +632,8 @@ def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -
             for rank, r in enumerate(per_rank):
                 row[f"mem{rank}_GB"] = r.get("peak_gb")
                 row[f"steady{rank}_GB"] = r.get("steady_gb")
+            if "cuda_graph_states" in per_rank[0]:
+                row["cuda_graph_states"] = [r["cuda_graph_states"] for r in per_rank]
             if "planned_schedule" in per_rank[0]:
                 # Every rank plans from the same all-reduced costs, so rank 0's plan is everyone's.
                 row["planned_schedule"] = per_rank[0]["planned_schedule"]
@@ -697,7 +716,7 @@ def targets(rows: dict[str, list[dict[str, Any]]], ranks: int) -> list[dict[str,
                             f"{TARGET_COMPUTE_MEMORY:g}x its peak memory",
                   "value": f"speed {fmt(speed, 'x')}, memory {fmt(memory, 'x')}", "verdict": verdict(ok)})
     candidates = [r for r in rows.get("compute", [])
-                  if r["schedule"] in PIPECOMM_SCHEDULES and "speed_vs_torch_1f1b" in r]
+                  if r["schedule"] not in TORCH_SCHEDULES and "speed_vs_torch_1f1b" in r]
     best = max(candidates, key=lambda r: r["speed_vs_torch_1f1b"], default=None)
     best_speed = best["speed_vs_torch_1f1b"] if best else None
     found.append({"target": f"compute: best pipecomm schedule >= {TARGET_BEST_SPEED:g}x torch 1F1B step speed",
@@ -727,7 +746,7 @@ def memory_bound_targets(compute_rows: list[dict[str, Any]], ranks: int) -> list
     """The best pipecomm schedule whose largest rank's peak memory is at most torch 1F1B's (zb-h2 left out), and
     zb-h2 on its own line ("info"), on the compute-bound config."""
     goal = TARGET_BEST_AT_MEMORY_SPEED[2 if ranks < 4 else 4]
-    measured = [r for r in compute_rows if r["schedule"] in PIPECOMM_SCHEDULES and "speed_vs_torch_1f1b" in r]
+    measured = [r for r in compute_rows if r["schedule"] not in TORCH_SCHEDULES and "speed_vs_torch_1f1b" in r]
     fitting = [r for r in measured if base_schedule(r["schedule"]) != UNBOUNDED_MEMORY
                and r.get("mem/torch_1f1b") is not None and r["mem/torch_1f1b"] <= 1.0]
     best = max(fitting, key=lambda r: r["speed_vs_torch_1f1b"], default=None)
@@ -824,6 +843,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="pipecomm rows: time compute actions with CUDA events (Pipeline(device_timing=True)), "
                              "write DIR/<config>-<schedule>.json Chrome traces of the last step and report each "
                              "rank's GPU bubble (column rank_bubble)")
+    parser.add_argument("--memory-history", metavar="DIR",
+                        help="pipecomm rows on GPUs: record the allocator's history over the timed steps, one pickle "
+                             "per rank (scripts/peak_memory.py says what is live at the peak); slows those rows")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny CPU run (gloo, shm channels, fp32, d=32, seq=16, micro-batch size 2) "
                              "to check the flow")
@@ -855,9 +877,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.config_list:
         if name not in CONFIGS:
             parser.error(f"unknown config {name!r}; known: {', '.join(CONFIGS)}")
+    # Any pipecomm schedule may be named with +eager or +graphs, beyond the rows "all" runs.
+    pipecomm_bases = {base_schedule(name) for name in PIPECOMM_SCHEDULES}
     for name in args.schedule_list:
-        if name not in known:
-            parser.error(f"unknown schedule {name!r}; known: {', '.join(known)}")
+        if name not in known and not (name.endswith((GRAPHS, EAGER)) and base_schedule(name) in pipecomm_bases):
+            parser.error(f"unknown schedule {name!r}; known: {', '.join(known)}, any of them + {EAGER} or {GRAPHS}")
     args.schedule_list = [name if name in TORCH_SCHEDULES or backend == "auto" else f"{name}{TRANSPORT}{backend}"
                           for name in args.schedule_list
                           for backend in (backends if name not in TORCH_SCHEDULES else ["auto"])]
