@@ -77,6 +77,8 @@ VIRTUAL = 2  # chunks per rank for the interleaved schedules
 
 GRAPHS = "+graphs"  # suffix: the same schedule with Pipeline(cuda_graphs=True)
 EAGER = "+eager"  # suffix: with Pipeline(cuda_graphs=False); a plain row is the default, cuda_graphs="auto"
+OFFLOAD = "+offload"  # suffix: with Pipeline(offload=True), activations to host memory where the plan says
+SUFFIXES = (GRAPHS, EAGER, OFFLOAD)
 TRANSPORT = "@"  # "1f1b@dist": the schedule with Pipeline(transport="dist") (--transport)
 TRANSPORTS = ("auto", "shm", "dist", "ipc")
 AUTO = "auto"  # Pipeline(schedule="auto"): zb-h1 while it measures F, I and W, then its plan
@@ -199,8 +201,11 @@ def build_chunk(layers: range, config: Config, device: torch.device, dtype: torc
 
 
 def base_schedule(row_name: str) -> str:
-    """A pipecomm row's schedule name without its +graphs, +eager and @transport suffixes."""
-    return row_name.partition(TRANSPORT)[0].removesuffix(GRAPHS).removesuffix(EAGER)
+    """A pipecomm row's schedule name without its +graphs, +eager, +offload and @transport suffixes."""
+    name = row_name.partition(TRANSPORT)[0]
+    for suffix in SUFFIXES:
+        name = name.removesuffix(suffix)
+    return name
 
 
 def layout_of(row_name: str) -> str:
@@ -268,7 +273,7 @@ class Rank:
         self.args = args
         self.store = store
         self.cuda = args.mode == "gpu"
-        self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
+        self.device = torch.device("cuda", 0 if args.share_gpu else rank) if self.cuda else torch.device("cpu")
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self._barriers = 0
         self.warm_up_peak = 0  # bytes, the last time_steps' warm-up's peak
@@ -429,7 +434,8 @@ class Rank:
 
         schedule, _, backend = schedule.partition(TRANSPORT)
         cuda_graphs = True if schedule.endswith(GRAPHS) else False if schedule.endswith(EAGER) else "auto"
-        schedule = schedule.removesuffix(GRAPHS).removesuffix(EAGER)
+        offload = schedule.endswith(OFFLOAD)
+        schedule = base_schedule(schedule)
         stage_ranks = placement(layout_of(schedule), self.args.ranks)
         held = chunk_layers(stage_ranks, self.rank, self.args.layers)
         modules = self.build_chunks(config, held, len(stage_ranks))
@@ -442,9 +448,10 @@ class Rank:
             micro_batches=config.micro_batches,
             schedule=schedule,
             device=self.device,
-            transport=backend or "auto",
+            transport=backend or ("ipc" if self.args.share_gpu else "auto"),
             timeout=float(self.args.timeout),
             cuda_graphs=cuda_graphs,
+            offload=offload,
             device_timing=bool(self.args.trace) and self.cuda,
         )
         inputs, target = self.batch(config)
@@ -460,6 +467,10 @@ class Rank:
     def torch_runner(self, config: Config, name: str) -> tuple[Callable[[], torch.Tensor | None], Callable[[], None], None]:
         import torch.distributed.pipelining as pipelining
 
+        if self.args.share_gpu:
+            # Measured (H200, torch 2.11): gloo's send of a CUDA tensor aborts the process ("writev: Bad address").
+            raise RuntimeError("torch's pipelining cannot run two ranks on one GPU: NCCL takes one rank per GPU and "
+                               "gloo sends no CUDA tensors")
         class_name, layout = TORCH_SCHEDULES[name]
         schedule_class = getattr(pipelining, class_name, None)
         if schedule_class is None:  # the newer schedules are missing from older torch releases
@@ -552,14 +563,14 @@ class Rank:
 def run_rank(rank: int, world_size: int, store_port: int, report: Callable[[Any], None],
              config: dict[str, Any]) -> dict[str, Any]:
     args = argparse.Namespace(**config)
-    device, store = start_rank(rank, world_size, store_port, args.mode != "gpu", args.timeout)
+    device, store = start_rank(rank, world_size, store_port, args.mode != "gpu", args.timeout, share_gpu=args.share_gpu)
     me = Rank(rank, args, store)
     env = environment(device) if rank == 0 else None
     if env is not None:
-        env["ranks"] = f"{world_size} processes, rank r on {'cuda:r' if me.cuda else 'cpu'}"
+        env["ranks"] = f"{world_size} processes, rank r on {'cuda:0' if args.share_gpu else 'cuda:r' if me.cuda else 'cpu'}"
         env["process_group"] = dist.get_backend()
         if me.cuda:
-            env["cards"] = [torch.cuda.get_device_properties(i).name for i in range(world_size)]
+            env["cards"] = [torch.cuda.get_device_properties(i).name for i in range(1 if args.share_gpu else world_size)]
             env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
             env["NCCL_NVLS_ENABLE"] = os.environ.get("NCCL_NVLS_ENABLE")
         if not me.cuda:
@@ -843,6 +854,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="pipecomm rows: time compute actions with CUDA events (Pipeline(device_timing=True)), "
                              "write DIR/<config>-<schedule>.json Chrome traces of the last step and report each "
                              "rank's GPU bubble (column rank_bubble)")
+    parser.add_argument("--share-gpu", action="store_true",
+                        help="every rank on cuda:0 (gloo; pipecomm over IPC), for one GPU; torch's rows are errors "
+                             "there: they need send/recv of CUDA tensors, which neither NCCL (one rank per GPU) nor "
+                             "gloo gives")
     parser.add_argument("--memory-history", metavar="DIR",
                         help="pipecomm rows on GPUs: record the allocator's history over the timed steps, one pickle "
                              "per rank (scripts/peak_memory.py says what is live at the peak); slows those rows")
@@ -859,6 +874,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke and args.cpu:
         parser.error("--smoke and --cpu exclude each other")
     args.mode = "smoke" if args.smoke else "cpu" if args.cpu else "gpu"
+    if args.share_gpu and args.mode != "gpu":
+        parser.error("--share-gpu puts the ranks on one GPU; --smoke and --cpu run on the CPU")
     if args.smoke:
         # Only options left at their defaults shrink, so a smoke run can still be steered.
         for name, value in (("steps", 2), ("warmup", 1), ("timeout", 30), ("deadline", 420.0)):
@@ -877,11 +894,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.config_list:
         if name not in CONFIGS:
             parser.error(f"unknown config {name!r}; known: {', '.join(CONFIGS)}")
-    # Any pipecomm schedule may be named with +eager or +graphs, beyond the rows "all" runs.
+    # Any pipecomm schedule may be named with a suffix (+eager, +graphs, +offload), beyond the rows "all" runs.
     pipecomm_bases = {base_schedule(name) for name in PIPECOMM_SCHEDULES}
     for name in args.schedule_list:
-        if name not in known and not (name.endswith((GRAPHS, EAGER)) and base_schedule(name) in pipecomm_bases):
-            parser.error(f"unknown schedule {name!r}; known: {', '.join(known)}, any of them + {EAGER} or {GRAPHS}")
+        if name not in known and not (name.endswith(SUFFIXES) and base_schedule(name) in pipecomm_bases):
+            parser.error(f"unknown schedule {name!r}; known: {', '.join(known)}, any of them + {', '.join(SUFFIXES)}")
     args.schedule_list = [name if name in TORCH_SCHEDULES or backend == "auto" else f"{name}{TRANSPORT}{backend}"
                           for name in args.schedule_list
                           for backend in (backends if name not in TORCH_SCHEDULES else ["auto"])]
@@ -903,7 +920,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the ranks
-    if args.mode == "gpu" and not (torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks):
+    if args.mode == "gpu" and not (torch.cuda.is_available()
+                                   and torch.cuda.device_count() >= (1 if args.share_gpu else args.ranks)):
         raise SystemExit(f"needs {args.ranks} CUDA devices (or --cpu, --smoke on CPU)")
     started = time.monotonic()
     if args.trace:
