@@ -189,6 +189,7 @@ class Pipeline:
         with self.calls.call("step"):
             self._prepared.check_parameters()
             self._tuning.before_step()
+            self._sharded.gather_ahead()
             loss = self._executor.run(*microbatch.split_step(inputs, kwargs, target, self.micro_batches, self.device,
                                                              first=0 in self.stages,
                                                              last=self.num_stages - 1 in self.stages))

@@ -23,6 +23,7 @@ class ShardedStages:
     def __init__(self, modules: dict[int, nn.Module]):
         found = {stage: [m for m in module.modules() if isinstance(m, FSDPModule)] for stage, module in modules.items()}
         self.by_stage = {stage: sharded for stage, sharded in found.items() if sharded}
+        self._stepped = False  # FSDP sets its streams up at its first forward: no gather ahead before
         for sharded in self.by_stage.values():
             for module in sharded:
                 module.set_reshard_after_forward(False, recurse=False)
@@ -37,6 +38,18 @@ class ShardedStages:
     def sharded_parameters(self) -> set[int]:
         """The ids of the parameters FSDP reduces: pipecomm's own data parallelism must leave them alone."""
         return {id(param) for found in self.by_stage.values() for module in found for param in module.parameters()}
+
+    def gather_ahead(self) -> None:
+        """At a step's start, every stage's all-gathers issued at once (``unshard(async_op=True)``), so that a later
+        stage's shards arrive while the stages before it compute rather than when its first forward asks for them
+        (a device trace of pp 2 x FSDP 2 on H200s had the second stage's first forward wait 2.5 ms of a 514 ms step for
+        them); FSDP's pre-forward waits for them."""
+        if not self._stepped:
+            self._stepped = True
+            return
+        for found in self.by_stage.values():
+            for module in found:
+                module.unshard(async_op=True)
 
     def finish(self, stage: int) -> None:
         """After the stage's last backward of the step: one reduce-scatter of its accumulated gradients, then reshard."""
