@@ -28,7 +28,8 @@ ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B (v=2), ScheduleInterleavedZ
 ScheduleZBVZeroBubble and ScheduleDualPipeV (V) through PipelineStage, all in the same run. A schedule that
 fails, or a torch schedule this torch lacks, is reported as an error string. "auto" (Pipeline(schedule="auto"))
 runs zb-h1 for its measured steps before timing starts, whatever --warmup says, and reports the schedule it
-planned and the F, I and W it planned for; its theory column is the plan's simulated bubble.
+planned and the F, I and W it planned for; its theory column is the plan's simulated bubble. Any pipecomm schedule
+may also be named with "+eager", "+graphs" or "+offload" (Pipeline(offload=True): "zb-h2+offload").
 
 Targets, against torch 1F1B in the same run: compute: pipecomm 1f1b >= 1.0x speed at <= 0.85x peak memory;
 the best pipecomm schedule >= 1.08x; the best at <= torch 1F1B's peak memory (the largest rank's; zb-h2, which
@@ -43,6 +44,11 @@ rank, d=128, seq=64, micro-batch size 2: a step of about 200 ms on two cores); b
 shm,dist runs each pipecomm schedule once per channel backend (rows "1f1b@dist", ...). On CPU the
 parent also computes the loss in one process without a pipeline, and a schedule whose loss differs
 from it fails the run.
+
+--share-gpu puts every rank on cuda:0 (gloo; pipecomm over CUDA IPC), for one GPU; torch's rows are errors there (its
+pipelining needs send/recv of CUDA tensors, which NCCL gives only one rank per GPU and gloo not at all).
+--memory-history DIR records the allocator's events over each pipecomm row's timed steps, a pickle per rank, for
+scripts/peak_memory.py (what is live at the peak, by allocation site); it slows those rows.
 """
 
 from __future__ import annotations
