@@ -26,27 +26,31 @@ def _where(frames: list[dict], depth: int) -> str:
 
 
 def peak_breakdown(snapshot: dict, device: int, depth: int) -> tuple[int, int, dict[str, int]]:
-    """(peak bytes, bytes before the recording, bytes live at the peak by allocation site)."""
+    """(peak bytes, bytes at the peak allocated before the recording began, bytes live at the peak by allocation
+    site). A block from before the recording shows only by its free, whose size the event gives: counting those frees
+    too makes the total exact at every moment, not just the recorded blocks."""
     events = snapshot["device_traces"][device]
+    at_end = sum(block["size"] for segment in snapshot["segments"] if segment["device"] == device
+                 for block in segment["blocks"] if block["state"] == "active_allocated")
+    change = sum(event["size"] if event["action"] == "alloc" else -event["size"]
+                 for event in events if event["action"] in ("alloc", "free_completed"))
+    total = peak = at_end - change  # what was allocated when the recording began
     live: dict[int, tuple[int, str]] = {}
-    allocated = peak = 0
     peak_live: dict[int, tuple[int, str]] = {}
     for event in events:
         action, address, size = event["action"], event["addr"], event["size"]
         if action == "alloc":
             live[address] = (size, _where(event.get("frames", []), depth))
-            allocated += size
-        elif action == "free_completed" and address in live:
-            allocated -= live.pop(address)[0]
-        if allocated > peak:
-            peak, peak_live = allocated, dict(live)
-    at_end = sum(block["size"] for segment in snapshot["segments"] if segment["device"] == device
-                 for block in segment["blocks"] if block["state"] == "active_allocated")
-    before = at_end - allocated  # what was already allocated when the recording began and is still
+            total += size
+        elif action == "free_completed":
+            live.pop(address, None)
+            total -= size
+        if total > peak:
+            peak, peak_live = total, dict(live)
     by_site: dict[str, int] = collections.Counter()
     for size, site in peak_live.values():
         by_site[site] += size
-    return peak + before, before, by_site
+    return peak, peak - sum(by_site.values()), by_site
 
 
 def main() -> None:
@@ -62,7 +66,8 @@ def main() -> None:
             if not events:
                 continue
             peak, before, by_site = peak_breakdown(snapshot, device, args.depth)
-            print(f"{path} cuda:{device}: peak {peak / 1e9:.3f} GB, of which {before / 1e9:.3f} GB before the recording")
+            print(f"{path} cuda:{device}: peak {peak / 1e9:.3f} GB, of which {before / 1e9:.3f} GB allocated before the "
+                  "recording")
             for site, size in sorted(by_site.items(), key=lambda item: -item[1])[: args.top]:
                 print(f"  {size / 1e9:8.3f} GB  {site}")
     sys.stdout.flush()
