@@ -282,6 +282,7 @@ class Rank:
         self.device = torch.device("cuda", 0 if args.share_gpu else rank) if self.cuda else torch.device("cpu")
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self._barriers = 0
+        self.pools_left: dict[tuple, tuple[int, int]] = {}  # graph pools still reserved when the current row began
         self.warm_up_peak = 0  # bytes, the last time_steps' warm-up's peak
 
     def log(self, message: str) -> None:
@@ -306,20 +307,29 @@ class Rank:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak_gb(self, earlier: int = 0) -> float | None:
-        """Peak allocated bytes since the last reset (or ``earlier``'s, a peak before it, if higher), plus what CUDA
-        graphs' private pools hold reserved for their replays.
+        """Peak allocated bytes since the last reset (or ``earlier``'s, a peak before it, if higher), plus what the
+        CUDA graphs of this row hold reserved for their replays in their private pools (the free part: what is
+        allocated there counts already).
 
         Captured graphs reuse their pools' memory at every replay, but the tensors that occupied it
-        during capture were freed, so max_memory_allocated alone would not see it.
+        during capture were freed, so max_memory_allocated alone would not see it. Pools that were there when the
+        row began are an earlier row's (``pools_left``), not this one's.
         """
         if not self.cuda:
             return None
-        graph_pools = sum(
-            segment["total_size"] - segment["allocated_size"]
-            for segment in torch.cuda.memory_snapshot()
-            if segment["device"] == self.device.index and tuple(segment["segment_pool_id"]) != (0, 0)
-        )
+        graph_pools = sum(free for pool, (_, free) in self.graph_pools().items() if pool not in self.pools_left)
         return (max(torch.cuda.max_memory_allocated(self.device), earlier) + graph_pools) / 1e9
+
+    def graph_pools(self) -> dict[tuple, tuple[int, int]]:
+        """Private (CUDA-graph) pool id -> (its reserved bytes, those of them not allocated), on this rank's device."""
+        pools: dict[tuple, tuple[int, int]] = {}
+        for segment in torch.cuda.memory_snapshot():
+            pool = tuple(segment["segment_pool_id"])
+            if segment["device"] == self.device.index and pool != (0, 0):
+                reserved, free = pools.get(pool, (0, 0))
+                size = segment["total_size"]
+                pools[pool] = (reserved + size, free + size - segment["allocated_size"])
+        return pools
 
     def batch(self, config: Config) -> tuple[torch.Tensor, torch.Tensor]:
         return make_batch(config, self.device, self.dtype)
@@ -530,6 +540,11 @@ class Rank:
     def run_schedule(self, config: Config, name: str) -> dict[str, Any]:
         result: dict[str, Any] = {"config": config.name, "schedule": name, "rank": self.rank}
         self.release()
+        if self.cuda:
+            # An earlier row's graphs outliving its Pipeline: reported, and kept out of this row's peak.
+            self.pools_left = self.graph_pools()
+            if self.pools_left:
+                result["pools_left_gb"] = sum(reserved for reserved, _ in self.pools_left.values()) / 1e9
         close: Callable[[], None] = lambda: None  # noqa: E731
         try:
             # pipe: the pipecomm Pipeline being timed (None for torch's schedules), for --trace
@@ -649,6 +664,8 @@ def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -
             for rank, r in enumerate(per_rank):
                 row[f"mem{rank}_GB"] = r.get("peak_gb")
                 row[f"steady{rank}_GB"] = r.get("steady_gb")
+            if any("pools_left_gb" in r for r in per_rank):
+                row["pools_left_gb"] = [r.get("pools_left_gb", 0.0) for r in per_rank]
             if "cuda_graph_states" in per_rank[0]:
                 row["cuda_graph_states"] = [r["cuda_graph_states"] for r in per_rank]
             if "planned_schedule" in per_rank[0]:
@@ -984,6 +1001,11 @@ def main(argv: list[str] | None = None) -> None:
                 tried = ", ".join(f"{schedule} {ms:.2f}" for schedule, ms in row["auto_step_times_ms"])
                 print(f"# {name}: {row['schedule']} planned for the slowest rank's F/I/W = {costs} ms, tried "
                       f"(step ms) {tried}, kept {row['planned_schedule']} (theory = its simulated bubble)")
+        for row in rows:
+            if "pools_left_gb" in row:
+                left = " / ".join(f"{gb:.3f}" for gb in row["pools_left_gb"])
+                print(f"# {name}: {row['schedule']} began with {left} GB per rank of an earlier row's CUDA graph "
+                      "pools still reserved (kept out of its peak; a Pipeline that outlived its close?)")
         if "reference_loss" in summary:
             print(f"# {name}: one-process loss {summary['reference_loss']:.6f}; largest relative difference of a "
                   f"row's first-step loss {summary['reference_spread']} (tolerance {REFERENCE_TOLERANCE:g})")
