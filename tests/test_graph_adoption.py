@@ -72,6 +72,7 @@ class GivenTimes:
     """``PassTimer`` whose measurements are the test's: (GPU ms, host ms) per decision, in order."""
 
     measurements: list[tuple[float, float]] = []
+    largest_growth = 1 << 20  # bytes a forward left allocated
 
     def start(self):
         return None
@@ -143,6 +144,15 @@ def test_a_short_batch_runs_eagerly_and_two_in_a_row_start_the_watch_again(adopt
                     batch=lambda step: 8 if step in (4, 5) else 16)
     assert states == ["watching", "to capture", "replaying", "replaying", "replaying", "watching", "watching",
                       "to capture"]
+
+
+def test_no_capture_where_its_memory_would_not_fit(adoption, monkeypatch):
+    # 212 parameters (848 bytes of gradients) and a forward that keeps 1 MiB: one slot (1F1B on one stage) and the
+    # eager warm-up make (1 + 1) x (1 MiB + 848 B) = 2.1 MB, over 0.8 of the 2 MB left here.
+    monkeypatch.setattr(graph_runner, "_free_bytes", lambda params: 2e6)
+    states = _train(4, [HOST_BOUND])
+    assert states == ["watching"] + ["eager: its CUDA graphs would need about 0.0021 GB (a slot per micro-batch in "
+                                     "flight: 1) and the device has 0.002 GB left"] * 3
 
 
 def test_a_failed_capture_leaves_the_stage_eager_with_one_warning(adoption):

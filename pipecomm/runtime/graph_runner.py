@@ -4,8 +4,10 @@ they pay and a checked capture agrees with eager, with eager runs wherever the g
 ``cuda_graphs="auto"`` (the default) runs a stage eagerly while it watches the micro-batches' structure, shapes and
 dtypes and times its passes (``PassTimer``). After two steps alike it captures at the third, unless the host launched
 a pass in under ``_HOST_SHARE`` of its GPU span (the GPU bounds the stage: graphs would keep each in-flight
-micro-batch's activations in memory of their own for nothing); each slot's first replay must equal an eager run of
-the same micro-batch. The step after the capture is a trial: the graphs stay only if a replayed pass took the GPU
+micro-batch's activations in memory of their own for nothing), or unless the capture would take more than
+``_MEMORY_SHARE`` of the device memory left (each slot holds what one micro-batch's forward keeps and the stage's
+gradients; measured: a trial capture lifted a step's peak to 1.6x the eager one); each slot's first replay must equal
+an eager run of the same micro-batch. The step after the capture is a trial: the graphs stay only if a replayed pass took the GPU
 under ``_KEEP_BELOW`` of an eager one. Then every micro-batch that fits replays and any other (a short last batch)
 runs eagerly; a step that none fits, twice in a row, or a change the graphs cannot see
 (``GraphedStage.changed_since_capture``) drops the graphs, and the watch starts again. A failed capture or check,
@@ -36,6 +38,7 @@ _CAPTURES = 3  # captures a stage may make; each costs two warm-ups, the capture
 _SIGNATURE_CHANGES = 3  # changes of signature while watching, before the stage gives up on graphs
 _KEEP_BELOW = 0.9  # graphs stay if a replayed pass takes less than this share of an eager one on the GPU
 _HOST_SHARE = 0.5  # no capture where the host launches an eager pass in less than this share of its GPU span
+_MEMORY_SHARE = 0.8  # no capture that would take more than this share of the device memory left
 
 
 class ShapeWatch:
@@ -69,20 +72,23 @@ class ShapeWatch:
 class PassTimer:
     """GPU and host time of a stage's passes over one step, from CUDA events and the host clock around each. Eager, a
     pass's GPU span is the host's launches and the kernels together; replayed, the kernels' alone: their ratio is what
-    graphs save. A host done launching in well under the GPU span means the GPU bounds the stage."""
+    graphs save. A host done launching in well under the GPU span means the GPU bounds the stage. Also the most device
+    memory a pass left allocated: a forward's saved activations and outputs, which a graph slot would hold."""
 
     def __init__(self) -> None:
         self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
+        self.largest_growth = 0  # bytes
 
     @staticmethod
-    def start() -> tuple[torch.cuda.Event, float]:
+    def start() -> tuple[torch.cuda.Event, float, int]:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
-        return event, time.perf_counter()
+        return event, time.perf_counter(), torch.cuda.memory_allocated()
 
-    def stop(self, started: tuple[torch.cuda.Event, float]) -> None:
-        end, now = self.start()
+    def stop(self, started: tuple[torch.cuda.Event, float, int]) -> None:
+        end, now, allocated = self.start()
         self._spans.append((started[0], end, now - started[1]))
+        self.largest_growth = max(self.largest_growth, allocated - started[2])
 
     def per_pass_ms(self) -> tuple[float, float] | None:
         """The mean GPU span and host time of a pass, once the GPU has reached the last event; None if none ran."""
@@ -171,10 +177,15 @@ class GraphRunner(EagerStage):
                     self._captures += 1
                     measured = timer.per_pass_ms()
                     self._eager_ms = measured[0] if measured else None
+                    needed, left = self._capture_bytes(timer.largest_growth), _free_bytes(self.sink.params)
                     if measured and measured[1] < _HOST_SHARE * measured[0]:
                         self._drop()
                         self.off = (f"the host launches a pass in {measured[1]:.3g} ms and the GPU runs it in "
                                     f"{measured[0]:.3g}: the GPU bounds it, graphs would cost memory for nothing")
+                    elif needed > _MEMORY_SHARE * left:
+                        self._drop()
+                        self.off = (f"its CUDA graphs would need about {needed / 1e9:.3g} GB (a slot per micro-batch "
+                                    f"in flight: {self.slots}) and the device has {left / 1e9:.3g} GB left")
                     else:
                         self.graphed = self._graphs()
         elif self.graphed.captured:
@@ -191,6 +202,12 @@ class GraphRunner(EagerStage):
             self._steps_unfit = 0 if self._replayed else self._steps_unfit + 1
             if self._steps_unfit == 2:
                 self._drop()
+
+    def _capture_bytes(self, forward_growth: int) -> int:
+        """About what a capture takes: per slot, what a forward keeps and the stage's gradients (which the captured
+        backward returns together), and once more both for the eager warm-up and check."""
+        gradients = sum(p.numel() * p.element_size() for p in self.sink.params if p.requires_grad)
+        return (self.slots + 1) * (forward_growth + gradients)
 
     def _drop(self) -> None:
         """The graphs and their memory let go; the watch starts again."""
@@ -297,6 +314,15 @@ class GraphRunner(EagerStage):
             return
         self.micro_batches.pop(micro_batch, None)
         self.sink.add(self.graphed.backward_weights(micro_batch))
+
+
+def _free_bytes(params: list[nn.Parameter]) -> float:
+    """Device memory a capture could still get: the device's free memory and what the caching allocator holds
+    unallocated (it releases that when an allocation would fail). Unbounded where there is nothing to measure."""
+    if not params or params[0].device.type != "cuda":
+        return float("inf")
+    device = params[0].device
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def make_runner(module: nn.Module, sink: GradientSink, index: int, scaled_loss: Callable | None,
