@@ -1,4 +1,4 @@
-"""What is live on a GPU at its peak, from an allocator snapshot (bench/e2e.py --memory-history), grouped by who allocated it.
+"""What is live on a GPU at its peak, from an allocator snapshot (bench/e2e.py --memory-history), by who allocated it.
 
     python scripts/peak_memory.py SNAPSHOT.pickle [--top 15] [--depth 2]
 
@@ -66,8 +66,8 @@ def main() -> None:
             if not events:
                 continue
             peak, before, by_site = peak_breakdown(snapshot, device, args.depth)
-            print(f"{path} cuda:{device}: peak {peak / 1e9:.3f} GB, of which {before / 1e9:.3f} GB allocated before the "
-                  "recording")
+            print(f"{path} cuda:{device}: peak {peak / 1e9:.3f} GB, of which {before / 1e9:.3f} GB allocated "
+                  "before the recording")
             for site, size in sorted(by_site.items(), key=lambda item: -item[1])[: args.top]:
                 print(f"  {size / 1e9:8.3f} GB  {site}")
     sys.stdout.flush()
