@@ -138,7 +138,8 @@ def _lowering_the_peak(held: list[tuple[float, float]], share: float,
 
 def _levels(held: list[tuple[float, float]], share: float, away: Iterable[tuple[float, float]],
             times: list[float]) -> list[float]:
-    """The activations on the device from each of ``times`` to the next (``_peak``'s count, time by time)."""
+    """The activations on the device from each of ``times`` to the next: all that ends or goes away at a time is
+    counted with what starts or comes back then, so a pass that ends as another starts does not hold both."""
     change = dict.fromkeys(times, 0.0)
     for start, end in held:
         change[start] += share
@@ -200,15 +201,9 @@ def _index_before(positions: Mapping[Action, int], passes: tuple[tuple[float, fl
 def _peak(held: list[tuple[float, float]], share: float, away: Iterable[tuple[float, float]]) -> float:
     """The most activations on the device at once: each micro-batch's share while ``held``, but for the times
     ``away`` (from a copy out's end to the copy back's start)."""
-    events = [(start, share) for start, _ in held] + [(end, -share) for _, end in held]
-    for gone, back in away:
-        events += [(gone, -share), (back, share)]
-    # At equal times the frees come first: a pass that ends as another starts does not hold both.
-    live = peak = 0.0
-    for _, change in sorted(events):
-        live += change
-        peak = max(peak, live)
-    return peak
+    away = list(away)
+    times = sorted({time for span in held for time in span} | {time for span in away for time in span})
+    return max(_levels(held, share, away, times), default=0.0)
 
 
 def check_plan(plan: OffloadPlan, schedule: Schedule) -> None:
