@@ -177,15 +177,10 @@ class GraphRunner(EagerStage):
                     self._captures += 1
                     measured = timer.per_pass_ms()
                     self._eager_ms = measured[0] if measured else None
-                    needed, left = self._capture_bytes(timer.largest_growth), _free_bytes(self.sink.params)
-                    if measured and measured[1] < _HOST_SHARE * measured[0]:
+                    reason = self._not_worth_capturing(measured, timer.largest_growth)
+                    if reason:
                         self._drop()
-                        self.off = (f"the host launches a pass in {measured[1]:.3g} ms and the GPU runs it in "
-                                    f"{measured[0]:.3g}: the GPU bounds it, graphs would cost memory for nothing")
-                    elif needed > _MEMORY_SHARE * left:
-                        self._drop()
-                        self.off = (f"its CUDA graphs would need about {needed / 1e9:.3g} GB (a slot per micro-batch "
-                                    f"in flight: {self.slots}) and the device has {left / 1e9:.3g} GB left")
+                        self.off = reason
                     else:
                         self.graphed = self._graphs()
         elif self.graphed.captured:
@@ -203,11 +198,19 @@ class GraphRunner(EagerStage):
             if self._steps_unfit == 2:
                 self._drop()
 
-    def _capture_bytes(self, forward_growth: int) -> int:
-        """About what a capture takes: per slot, what a forward keeps and the stage's gradients (which the captured
-        backward returns together), and once more both for the eager warm-up and check."""
+    def _not_worth_capturing(self, measured: tuple[float, float] | None, forward_growth: int) -> str | None:
+        """Why a watched stage stays eager (nothing failed), or None: the GPU bounds it, or its graphs would not fit.
+        A capture takes about, per slot, what a forward keeps and the stage's gradients (which the captured backward
+        returns together), and once more both for the eager warm-up and check."""
+        if measured and measured[1] < _HOST_SHARE * measured[0]:
+            return (f"the host launches a pass in {measured[1]:.3g} ms and the GPU runs it in {measured[0]:.3g}: the "
+                    "GPU bounds it, graphs would cost memory for nothing")
         gradients = sum(p.numel() * p.element_size() for p in self.sink.params if p.requires_grad)
-        return (self.slots + 1) * (forward_growth + gradients)
+        needed, left = (self.slots + 1) * (forward_growth + gradients), _free_bytes(self.sink.params)
+        if needed > _MEMORY_SHARE * left:
+            return (f"its CUDA graphs would need about {needed / 1e9:.3g} GB (a slot per micro-batch in flight: "
+                    f"{self.slots}) and the device has {left / 1e9:.3g} GB left")
+        return None
 
     def _drop(self) -> None:
         """The graphs and their memory let go; the watch starts again."""
