@@ -1,10 +1,10 @@
 """Host cost: CPU time of the host per action and per step, pipecomm's executor against torch.distributed.pipelining.
 
 Both run the same stage modules (same weights, same data) on 2 ranks, one stage each: torch's PipelineStage with
-Schedule1F1B, and pipecomm's Pipeline with 1f1b (as built with no speed flags, and eager: cuda_graphs=False) and zb-h1. Each row times, on every rank, the CPU time of the
-thread that runs the step (time.thread_time: the host work that issues the kernels, which a host-bound step waits
-for) and of the whole process (time.process_time: gloo's and NCCL's own threads too), per step, and, per call,
-of each action, exclusive of the actions and losses it calls:
+Schedule1F1B, and pipecomm's Pipeline with 1f1b (as built with no speed flags, and eager: cuda_graphs=False) and
+zb-h1. Each row times, on every rank, the CPU time of the thread that runs the step (time.thread_time: the host
+work that issues the kernels, which a host-bound step waits for) and of the whole process (time.process_time: gloo's
+and NCCL's own threads too), per step, and, per call, of each action, exclusive of the actions and losses it calls:
 
 - pipecomm: F, B, I, W (the executor's compute actions), send and recv (its SEND_F/SEND_B and RECV_F/RECV_B);
 - torch: F and B (``forward_one_chunk``, ``backward_one_chunk``), send and recv (``get_*_send_ops`` and
@@ -13,9 +13,10 @@ of each action, exclusive of the actions and losses it calls:
   step's setup, splitting the batch, the loss's reduction, the result's broadcast).
 
 Models (``--models``): ``mha``, pre-norm blocks of ``nn.MultiheadAttention`` and a GELU MLP (many small kernels);
-``llama``, a Hugging Face Llama built from a config, its decoder layers in two halves (llama_stage.LlamaStage); ``gpt``, bench/e2e.py's GPT blocks;
-``tiny`` (not run by default), a stage of one ``Linear(8, 8)`` on micro-batches of 2 samples, so that a step is the
-libraries' fixed cost alone (issue 33's CPU target compares its wall time per step, ``wall_vs_torch``).
+``llama``, a Hugging Face Llama built from a config, its decoder layers in two halves (llama_stage.LlamaStage);
+``gpt``, bench/e2e.py's GPT blocks; ``tiny`` (not run by default), a stage of one ``Linear(8, 8)`` on micro-batches
+of 2 samples, so that a step is the libraries' fixed cost alone (issue 33's CPU target compares its wall time per
+step, ``wall_vs_torch``).
 ``--micro-batches 8,32`` runs every model once per micro-batch count instead of its shape's. On CPU (``--cpu``: gloo,
 pipecomm's shared-memory channels, one thread per rank, fp32) the models are tiny, so a step is mostly overhead;
 on GPUs (default: rank r on cuda:r, NCCL, bf16) they have issue 33's shapes, smaller where noted. ``--share-gpu``
@@ -42,7 +43,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -194,7 +194,9 @@ def make_batch(model: str, shape: Shape, device: torch.device, dtype: torch.dtyp
 def loss_for(model: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     if model == "llama":
         return token_loss
-    return lambda output, target: F.mse_loss(output.float(), target.float())
+    from e2e import mse_loss
+
+    return mse_loss
 
 
 # ---------------------------------------------------------------------------------------------
