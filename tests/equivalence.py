@@ -90,7 +90,8 @@ def train_like_one_process(rank, world_size, build, make_batch, loss_fn, schedul
             ref_optimizer.zero_grad()
         for (name, param), ref_param in zip(named, ref_params):
             torch.testing.assert_close(param.detach().cpu(), ref_param.detach(), **tolerance, msg=name)
-        if kind == "cuda-auto":
-            assert set(pipe.cuda_graph_states.values()) == {"replaying"}, (schedule, pipe.cuda_graph_states)
+        if kind == "cuda-auto":  # every stage replayed graphs; a trial may drop those no faster than eager on the GPU
+            assert all(state == "replaying" or state.startswith("eager: replaying its CUDA graphs took")
+                       for state in pipe.cuda_graph_states.values()), (schedule, pipe.cuda_graph_states)
         pipe.close()
     return "ok"
