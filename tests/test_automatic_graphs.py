@@ -16,6 +16,7 @@ import pipecomm
 from pipecomm.runtime.checks import graph_mode
 from pipecomm.runtime import boundary
 from pipecomm.runtime.cuda_graphs import GraphedStage, signature, signature_difference
+from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.graph_runner import ShapeWatch
 from ranks import needs_cuda
 
@@ -98,7 +99,8 @@ class Cached(nn.Module):
 ])
 def test_what_the_replays_cannot_see_is_named_as_changed(change, expected):
     module = Cached()
-    graphed = GraphedStage(module, list(module.parameters()), slots=1, stage=0, loss=None)
+    graphed = GraphedStage(module, GradientSink(list(module.parameters()), main_grad=False), slots=1, stage=0,
+                           loss=None)
     graphed.record_state()  # as a capture ends
     change(module)
     found = graphed.changed_since_capture()

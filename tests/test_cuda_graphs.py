@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots
+from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.schedules.schedule import make_schedule
 from pipecomm.runtime.split_backward import WeightGradStore, defer_linear_weight_grads
 from ranks import needs_cuda
@@ -65,7 +67,7 @@ def test_replayed_stage_equals_eager_with_two_micro_batches_in_flight():
     module = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).cuda()
     reference = copy.deepcopy(module)
     params = list(module.parameters())
-    graphed = GraphedStage(module, params, slots=2, stage=1, loss=None)
+    graphed = GraphedStage(module, GradientSink(params, main_grad=False), slots=2, stage=1, loss=None)
     xs = [torch.randn(4, 16, device="cuda", requires_grad=True) for _ in range(3)]  # received: they need grads
     grads = [torch.randn(4, 16, device="cuda") for _ in range(3)]
 
@@ -92,28 +94,31 @@ def test_replayed_stage_equals_eager_with_two_micro_batches_in_flight():
         graphed.forward(0, (torch.randn(5, 16, device="cuda"),), ())
 
 
+class Twice(nn.Module):
+    """A Linear run twice, a frozen one between, and one more."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(16, 16)
+        self.frozen = nn.Linear(16, 16).requires_grad_(False)
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inner(self.frozen(self.inner(x)))))
+
+
 @needs_cuda
 def test_split_backward_replays_equal_eager_input_and_weight_gradients():
     """I then W replays, two micro-batches in flight, against autograd: the weight of a Linear run twice adds both
     uses, a frozen Linear gets none, and a bias (not deferred) comes from I."""
-
-    class Twice(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = nn.Linear(16, 16)
-            self.frozen = nn.Linear(16, 16).requires_grad_(False)
-            self.out = nn.Linear(16, 8)
-
-        def forward(self, x):
-            return self.out(torch.tanh(self.inner(self.frozen(self.inner(x)))))
-
     torch.manual_seed(0)
     module = Twice().cuda()
     reference = copy.deepcopy(module)
     params = list(module.parameters())
     store = WeightGradStore()
     defer_linear_weight_grads([module], store)
-    graphed = GraphedStage(module, params, slots=2, stage=1, loss=None, weight_grad_store=store)
+    graphed = GraphedStage(module, GradientSink(params, main_grad=False), slots=2, stage=1, loss=None,
+                           weight_grad_store=store)
     xs = [torch.randn(4, 16, device="cuda", requires_grad=True) for _ in range(2)]
     grads = [torch.randn(4, 8, device="cuda") for _ in range(2)]
     for micro_batch in (0, 1):
@@ -134,3 +139,82 @@ def test_split_backward_replays_equal_eager_input_and_weight_gradients():
             deferred = param.dim() == 2  # the Linear weights; biases come with the input gradients
             assert (early is None) == deferred and (late is None) != deferred
             torch.testing.assert_close(late if deferred else early, next(expected_params))
+
+
+@needs_cuda
+@pytest.mark.parametrize("split", [False, True], ids=["whole backward", "I and W"])
+def test_replays_add_the_parameter_gradients_into_grad_in_place(split):
+    """With accumulators, each replayed backward adds its parameter gradients into ``.grad`` (an accumulator's alias,
+    the same memory the whole time), in eager's order, onto what the caller left there before the capture; a frozen
+    parameter gets none. Three micro-batches through two slots, the third reusing the first slot."""
+    torch.manual_seed(0)
+    module = Twice().cuda()
+    reference = copy.deepcopy(module)
+    params = list(module.parameters())
+    store = WeightGradStore() if split else None
+    if split:
+        defer_linear_weight_grads([module], store)
+    graphed = GraphedStage(module, GradientSink(params, main_grad=False), slots=2, stage=1, loss=None,
+                           weight_grad_store=store, accumulators=GradientAccumulators())
+    module.out.bias.grad = torch.ones(8, device="cuda")  # an earlier step's, not zeroed
+    reference.out.bias.grad = torch.ones(8, device="cuda")
+    xs = [torch.randn(4, 16, device="cuda", requires_grad=True) for _ in range(3)]
+    grads = [torch.randn(4, 8, device="cuda") for _ in range(3)]
+    input_grads = {}
+
+    def backward(micro_batch):
+        got_inputs, got_params = graphed.backward(micro_batch, (grads[micro_batch],))
+        assert got_params is None
+        if split:
+            assert graphed.backward_weights(micro_batch) is None
+        input_grads[micro_batch] = got_inputs[0].clone()
+
+    graphed.forward(0, (xs[0],), ())
+    graphed.forward(1, (xs[1],), ())
+    bound = [p.grad for p in params]
+    backward(0)
+    graphed.forward(2, (xs[2],), ())
+    backward(1)
+    backward(2)
+
+    for micro_batch in range(3):
+        leaf = xs[micro_batch].detach().clone().requires_grad_()
+        reference(leaf).backward(grads[micro_batch])
+        torch.testing.assert_close(input_grads[micro_batch], leaf.grad)
+    for param, ref, before in zip(params, reference.parameters(), bound):
+        if not param.requires_grad:
+            assert param.grad is None
+            continue
+        assert param.grad is before, "the replays add into the .grad bound at the capture"
+        torch.testing.assert_close(param.grad, ref.grad)
+
+
+def _graph_memory(accumulate: bool, slots: int) -> tuple[int, int]:
+    """Device memory a graphed stage of 16 Linear(2048, 2048) holds after each slot's forward and backward
+    replayed once, and its gradients' bytes."""
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    module = nn.Sequential(*(nn.Linear(2048, 2048, bias=False) for _ in range(16))).cuda()
+    gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    before += gradient_bytes  # the parameters
+    graphed = GraphedStage(module, GradientSink(list(module.parameters()), main_grad=False), slots=slots, stage=1,
+                           loss=None, accumulators=GradientAccumulators() if accumulate else None)
+    for micro_batch in range(slots):
+        graphed.forward(micro_batch, (torch.randn(4, 2048, device="cuda", requires_grad=True),), ())
+    for micro_batch in range(slots):
+        graphed.backward(micro_batch, (torch.randn(4, 2048, device="cuda"),))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the warm-up's cached blocks: what stays is the pools', the outputs' and .grad's
+    held = torch.cuda.memory_reserved() - before
+    del graphed, module
+    return held, gradient_bytes
+
+
+@needs_cuda
+def test_accumulating_graphs_hold_no_set_of_gradients_per_slot():
+    """Returned, each slot's pool keeps a whole set of the stage's gradients; added into accumulators, the stage holds
+    one set (the accumulators, as eager holds .grad) and each pool only the backward's transients."""
+    returned, gradient_bytes = _graph_memory(accumulate=False, slots=2)
+    accumulated, _ = _graph_memory(accumulate=True, slots=2)
+    assert returned >= 2 * gradient_bytes
+    assert accumulated <= gradient_bytes + 0.25 * gradient_bytes, (accumulated / 2**20, gradient_bytes / 2**20)

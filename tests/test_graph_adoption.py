@@ -20,12 +20,16 @@ TOLERANCE = dict(rtol=1e-6, atol=1e-7)
 
 class EagerGraphs:
     """``GraphedStage``'s interface, computed by autograd: a "capture" records the signature it serves, a "replay" runs
-    the module on detached copies of the inputs and keeps its autograd graph until the backward."""
+    the module on detached copies of the inputs and keeps its autograd graph until the backward. Where the sink
+    accumulates in ``.grad``, the parameters' gradients go into the rank's accumulators, as captured graphs add them:
+    the capture's first run, into empty ``.grad``s, shows which parameters get one."""
 
     fail_capture = False  # set by a test: the next capture raises
 
-    def __init__(self, module, params, slots, stage, loss, weight_grad_store=None, checked=False, **_):
-        self.module, self.params, self.loss, self.stage = module, params, loss, stage
+    def __init__(self, module, sink, slots, stage, loss, weight_grad_store=None, checked=False, accumulators=None):
+        self.module, self.params, self.loss, self.stage = module, sink.params, loss, stage
+        self.accumulators = accumulators if sink.autograd_accumulates else None
+        self.accumulated = []
         self.output_layout = None
         self.captured = False
         self._signature = None
@@ -38,6 +42,11 @@ class EagerGraphs:
         if not self.captured:
             if EagerGraphs.fail_capture:
                 raise RuntimeError("operation not permitted when stream is capturing")
+            if self.accumulators:
+                with self.accumulators.capturing(self.params):
+                    outputs = self.replay_fitting(micro_batch, inputs, targets)
+                    self.backward(micro_batch, tuple(torch.ones_like(t) for t in outputs))
+                    self.accumulated = self.accumulators.adopt_reached(self.stage, self.params)
             self.captured = True
             self._signature = signature(inputs, targets)
         return self.replay_fitting(micro_batch, inputs, targets)
@@ -59,10 +68,22 @@ class EagerGraphs:
         wanted = [t for t in leaves if t.requires_grad] + [p for p in self.params if p.requires_grad]
         found = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True))
         input_grads = [next(found) if t.requires_grad else None for t in leaves]
-        return input_grads, [next(found) if p.requires_grad else None for p in self.params]
+        param_grads = [next(found) if p.requires_grad else None for p in self.params]
+        if not self.accumulators:
+            return input_grads, param_grads
+        if not self.captured:  # the capture's first run, into the empty .grads the capture leaves
+            for param, grad in zip(self.params, param_grads):
+                param.grad = grad
+        else:
+            accumulators = iter(self.accumulators.tensors(self.accumulated))
+            for grad in param_grads:
+                if grad is not None:
+                    next(accumulators).add_(grad)
+        return input_grads, None
 
     def backward_weights(self, micro_batch):
-        return [None] * len(self.params)  # the "I" replay above computed every gradient: no Linear deferred
+        # The "I" replay above computed every gradient: no Linear deferred.
+        return None if self.accumulators else [None] * len(self.params)
 
     def changed_since_capture(self):
         return None
@@ -94,25 +115,31 @@ def adoption(monkeypatch):
     monkeypatch.setattr(GivenTimes, "measurements", [])
 
 
-def _train(steps, measurements, batch=lambda step: 16, schedule="1f1b", settled=None):
-    """``steps`` steps of the default Pipeline and of one process, each step's loss and gradients equal; the graph
-    states after each step (and, in ``settled``, whether "auto" had settled on its schedule)."""
+def _train(steps, measurements, batch=lambda step: 16, schedule="1f1b", settled=None, zero_grad=True):
+    """``steps`` steps of the default Pipeline and of one process, each step's loss and gradients equal, and the
+    gradients of the step before, kept, unchanged; the graph states after each step (and, in ``settled``, whether
+    "auto" had settled on its schedule). Without ``zero_grad`` the gradients add up over the steps."""
     GivenTimes.measurements[:] = measurements
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     reference = copy.deepcopy(module)
     pipe = pipecomm.Pipeline(module, stage=0, num_stages=1, micro_batches=4, loss_fn=nn.functional.mse_loss,
                              schedule=schedule)
-    states = []
+    states, kept = [], []
     for step in range(steps):
         x, y = torch.randn(batch(step), 8), torch.randn(batch(step), 4)
         loss = pipe.step(x, target=y)
         expected = sum(nn.functional.mse_loss(reference(a), b) / 4 for a, b in zip(x.chunk(4), y.chunk(4)))
         expected.backward()
         torch.testing.assert_close(loss, expected.detach(), **TOLERANCE)
+        for grad, value in kept:
+            assert torch.equal(grad, value), f"step {step} changed a gradient kept from the step before"
+        kept = []
         for param, ref in zip(module.parameters(), reference.parameters()):
             torch.testing.assert_close(param.grad, ref.grad, **TOLERANCE, msg=f"step {step}")
-            param.grad = ref.grad = None
+            if zero_grad:
+                kept.append((param.grad, param.grad.clone()))
+                param.grad = ref.grad = None
         states.append(pipe.cuda_graph_states[0])
         if settled is not None:
             settled.append(pipe.auto_step_times is not None)
@@ -126,6 +153,10 @@ FASTER, NOT_FASTER = (0.3, 0.1), (0.95, 0.1)
 
 def test_a_host_bound_stage_captures_at_the_third_step_and_keeps_faster_graphs(adoption):
     assert _train(5, [HOST_BOUND, FASTER]) == ["watching", "to capture", "replaying", "replaying", "replaying"]
+
+
+def test_replayed_gradients_add_up_over_steps_without_zero_grad(adoption):
+    assert _train(5, [HOST_BOUND, FASTER], zero_grad=False)[2:] == ["replaying"] * 3
 
 
 def test_a_gpu_bound_stage_never_captures(adoption):

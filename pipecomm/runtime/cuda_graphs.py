@@ -5,6 +5,10 @@ each stage's forward (with the loss, on the last stage) and backward are capture
 replayed. A graph's activations live in its own memory, so a stage gets one pair of graphs per
 micro-batch it can hold in flight (the schedule says how many), used round-robin.
 
+Where the parameters' gradients go to ``.grad``, the captured backward adds them in place into
+``graph_gradients``' accumulators, so that no slot's pool holds a set of gradients; with ``main_grad`` buffers it
+returns them for the caller to add.
+
 A replay reads what the capture saw: the tensors' addresses and every Python value the forward read then. So a
 capture can be checked (``checked=True``: each slot's first replay against an eager run of the same micro-batch, the
 same random numbers, gradients probed with the same noise), and ``changed_since_capture`` names what the graphs can no
@@ -22,8 +26,11 @@ from torch.distributed.tensor import DTensor
 
 from pipecomm.runtime import boundary
 from pipecomm.runtime.capture_state import CaptureState
+from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.schedules.schedule import Schedule
 from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported, weight_grad
+from pipecomm.runtime.stage_runner import run_backward
 
 __all__: list[str] = []
 
@@ -75,12 +82,19 @@ class GraphedStage:
     captured as two graphs, as the eager executor splits it: I (input gradients and every parameter's
     gradient but the deferred Linear weight GEMMs') and W (those GEMMs, from the layer's input and output
     gradient that I left in the slot).
+
+    With ``accumulators`` (used where the ``sink`` accumulates in ``.grad``), the backward graphs add the parameters'
+    gradients into them; otherwise they return the gradients, for the caller to add.
     """
 
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], slots: int, stage: int,
-                 loss: Callable | None, weight_grad_store: WeightGradStore | None = None, checked: bool = False):
+    def __init__(self, module: nn.Module, sink: GradientSink, slots: int, stage: int, loss: Callable | None,
+                 weight_grad_store: WeightGradStore | None = None, checked: bool = False,
+                 accumulators: GradientAccumulators | None = None):
         self.module = module
-        self.params = params
+        self.sink = sink
+        self.params = sink.params
+        self.accumulators = accumulators if sink.autograd_accumulates else None
+        self.accumulated: list[nn.Parameter] = []  # the parameters whose gradients the graphs add into accumulators
         self.stage = stage
         self.num_slots = slots
         self.loss = loss  # (output, *targets) -> scaled loss, on the last stage
@@ -134,7 +148,7 @@ class GraphedStage:
     def backward(self, micro_batch: int, grads: tuple | None) -> tuple[list, list]:
         """Replays the slot's backward for the outputs' ``grads`` (None: the loss's, captured as 1); returns
         the static (input grads, parameter grads), one entry per input tensor and per stage parameter (None
-        where there is no gradient)."""
+        where there is no gradient); the parameter grads are None where the graphs add them into accumulators."""
         slot = self._slots[micro_batch % self.num_slots]
         differentiable = iter(slot.grad_outputs)
         for output, grad in zip(slot.outputs, grads or ()):
@@ -145,7 +159,8 @@ class GraphedStage:
         return slot.input_grads, slot.param_grads
 
     def backward_weights(self, micro_batch: int) -> list:
-        """Replays the slot's W (after its I): the deferred weights' gradients, one entry per stage parameter."""
+        """Replays the slot's W (after its I): the deferred weights' gradients, one entry per stage parameter (None
+        where the graphs add them into accumulators)."""
         slot = self._slots[micro_batch % self.num_slots]
         slot.weights.replay()
         return slot.weight_grads
@@ -184,14 +199,21 @@ class GraphedStage:
         self._signature = signature(inputs, targets)
         buffers = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
         stream, random_state = torch.cuda.current_stream(device), torch.cuda.get_rng_state(device)
+        accumulators = self.accumulators
         try:
-            reference, warm_up_state = self._warm_up(inputs, targets, autocast, device)
-            for _ in range(self.num_slots):
-                self._slots.append(self._capture_slot(inputs, targets, autocast))
-            if self.checked:
-                self._check_replays(reference, warm_up_state, device)
+            with accumulators.capturing(self.params) if accumulators else contextlib.nullcontext():
+                try:
+                    reference, warm_up_state = self._warm_up(inputs, targets, autocast, device)
+                    for _ in range(self.num_slots):
+                        self._slots.append(self._capture_slot(inputs, targets, autocast))
+                    if self.checked:
+                        self._check_replays(reference, warm_up_state, device)
+                except BaseException:
+                    if accumulators:
+                        accumulators.release(self.stage)
+                    raise
         except BaseException:
-            self._slots = []
+            self._slots, self.accumulated = [], []
             torch.cuda.set_stream(stream)  # a failed capture leaves its own stream current
             _release_random_state(device, random_state)
             raise
@@ -205,21 +227,32 @@ class GraphedStage:
         """What ``changed_since_capture`` compares against: the stage's state now."""
         self._seen = CaptureState(self.module)
 
-    def _warm_up(self, inputs: boundary.Flat, targets: boundary.Flat, autocast, device) -> tuple[tuple, torch.Tensor]:
-        """Eager runs on a side stream; the last one's results (outputs, input and parameter gradients, W's) for the
-        probe gradients, and the random state it started from."""
+    def _warm_up(self, inputs: boundary.Flat, targets: boundary.Flat, autocast,
+                 device) -> tuple[tuple | None, torch.Tensor]:
+        """Eager runs on a side stream; with ``checked``, the last one's results (outputs, input and parameter
+        gradients, W's) for the probe gradients, and the random state it started from. With accumulators, the first run (into empty
+        ``.grad``s) shows which parameters get gradients; those get accumulators, zeroed before each later run."""
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), autocast:
             static_inputs, static_targets = _static_copy(inputs, self.stage > 0), _static_copy(targets, False)
-            for _ in range(_WARMUP_ITERATIONS):
+            for iteration in range(_WARMUP_ITERATIONS):
+                if self.accumulators and iteration == 1:
+                    self.accumulated = self.accumulators.adopt_reached(self.stage, self.params)
+                elif self.accumulators and iteration > 1:
+                    self.accumulators.zero(self.accumulated)
                 random_state = torch.cuda.get_rng_state(device)
                 deferrals = [] if self.store else None
                 outputs = self._run(static_inputs, static_targets, deferrals)
                 grads, deferred = self._input_pass(outputs, self._probe(outputs), static_inputs.tensors, deferrals)
                 weight_grads = self._weight_pass(deferred) if self.store else None
-            reference = (_detached(outputs), *(_detached(g) for g in self._align(grads, static_inputs.tensors)),
-                         _detached(weight_grads or []))
+            reference = None
+            if self.checked:  # copies of a whole set of gradients: only for the check
+                input_grads, param_grads = self._align(grads, static_inputs.tensors)
+                if self.accumulators:
+                    param_grads = self.accumulators.tensors(self.accumulated)
+                reference = (_detached(outputs), _detached(input_grads), _detached(param_grads),
+                             _detached(weight_grads or []))
         torch.cuda.current_stream(device).wait_stream(side)
         return reference, random_state
 
@@ -239,8 +272,9 @@ class GraphedStage:
             if weights is not None:
                 with torch.cuda.graph(weights, pool=pool, capture_error_mode="thread_local"):
                     weight_grads = self._weight_pass(deferred)
-        return _Slot(static_inputs, static_targets, outputs, grad_outputs, forward, backward,
-                     *self._align(grads, static_inputs.tensors), weights, weight_grads)
+        input_grads, param_grads = self._align(grads, static_inputs.tensors)
+        return _Slot(static_inputs, static_targets, outputs, grad_outputs, forward, backward, input_grads,
+                     None if self.accumulators else param_grads, weights, weight_grads)
 
     def _probe(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients of the differentiable outputs a warm-up and a checked replay both use: the loss's own (1), or
@@ -255,6 +289,8 @@ class GraphedStage:
         """Each slot replayed on the capture's micro-batch, from the random state the eager run started at, equals
         that run: its outputs, input gradients, parameter gradients and W's, to the atomics' noise."""
         for index, slot in enumerate(self._slots):
+            if self.accumulators:
+                self.accumulators.zero(self.accumulated)
             torch.cuda.set_rng_state(random_state, device)
             for static, probe in zip(slot.grad_outputs, self._probe(slot.outputs)):
                 static.copy_(probe)
@@ -262,7 +298,8 @@ class GraphedStage:
             slot.backward.replay()
             if slot.weights is not None:
                 slot.weights.replay()
-            replayed = (slot.outputs, slot.input_grads, slot.param_grads, slot.weight_grads or [])
+            param_grads = self.accumulators.tensors(self.accumulated) if self.accumulators else slot.param_grads
+            replayed = (slot.outputs, slot.input_grads, param_grads, slot.weight_grads or [])
             difference = _largest_difference(replayed, reference)
             if difference:
                 raise GraphCheckError(f"stage {self.stage}: the first replay of CUDA graph slot {index} differs from "
@@ -271,24 +308,36 @@ class GraphedStage:
     def _input_pass(self, outputs: list, grad_outputs: list, inputs: list,
                     deferrals: list[Deferral] | None) -> tuple[tuple, list[DeferredGrad]]:
         """The backward (or, with ``deferrals``, its I part): gradients of the inputs that require grad and of the
-        trainable parameters, and what the deferring Linear layers leave to W."""
-        wanted = [t for t in inputs if t.requires_grad] + [p for p in self.params if p.requires_grad]
+        trainable parameters (None for those added into accumulators), and what the deferring Linear layers leave to
+        W. With accumulators the inputs' gradients come through their ``.grad``, which autograd sets anew."""
+        wanted_inputs = [t for t in inputs if t.requires_grad]
+        params = [p for p in self.params if p.requires_grad]
         differentiable = [t for t in outputs if t.requires_grad]
-        if not differentiable or not wanted:
-            return (None,) * len(wanted), []
+        if not differentiable or not (wanted_inputs or params):
+            return (None,) * (len(wanted_inputs) + len(params)), []
         deferred: list[DeferredGrad] = []
         if self.store:
             self.store.collecting = deferred
         try:
-            grads = torch.autograd.grad(differentiable, wanted, grad_outputs, allow_unused=True)
+            if self.accumulators:
+                for tensor in wanted_inputs:
+                    tensor.grad = None
+                run_backward(differentiable, grad_outputs, wanted_inputs + params, keep_graph=False, accumulate=True)
+                grads = tuple(tensor.grad for tensor in wanted_inputs) + (None,) * len(params)
+            else:
+                grads = torch.autograd.grad(differentiable, wanted_inputs + params, grad_outputs, allow_unused=True)
         finally:
             if self.store:
                 self.store.collecting = None
         check_reported(deferrals or (), differentiable, f"cuda_graphs: stage {self.stage}, capture of the I pass")
         return grads, deferred
 
-    def _weight_pass(self, deferred: list[DeferredGrad]) -> list:
-        """The deferred weights' gradients, one entry per stage parameter; a layer run twice adds both."""
+    def _weight_pass(self, deferred: list[DeferredGrad]) -> list | None:
+        """The deferred weights' gradients, one entry per stage parameter; a layer run twice adds both. With
+        accumulators, added into them as the eager W does (None)."""
+        if self.accumulators:
+            self.sink.add_weight_grads(deferred)
+            return None
         by_weight: dict[int, torch.Tensor] = {}
         for weight, x, grad in deferred:
             part = weight_grad(grad, x).to(weight.dtype)

@@ -27,6 +27,7 @@ from torch import nn
 from pipecomm.runtime import boundary
 from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots, signature, signature_difference
 from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.runtime.split_backward import WeightGradStore
 from pipecomm.runtime.stage_runner import EagerStage
 from pipecomm.schedules.schedule import Schedule
@@ -108,10 +109,12 @@ class GraphRunner(EagerStage):
     """
 
     def __init__(self, module: nn.Module, sink: GradientSink, index: int, scaled_loss: Callable | None,
-                 weight_grad_store: WeightGradStore | None, rank: int, slots: int, automatic: bool):
+                 weight_grad_store: WeightGradStore | None, rank: int, slots: int, automatic: bool,
+                 accumulators: GradientAccumulators):
         super().__init__(module, sink, index, scaled_loss, weight_grad_store, rank)
         self.slots = slots
         self.automatic = automatic
+        self.accumulators = accumulators  # the rank's, which graphs of stages sharing a parameter share
         self.graphed: GraphedStage | None = None if automatic else self._graphs()
         self.off: str | None = None  # automatic: why this stage runs eagerly for good
         self.held = False  # automatic: no capture while held (``StageExecutor.hold_graphs``)
@@ -125,8 +128,8 @@ class GraphRunner(EagerStage):
         self._steps_unfit = 0  # consecutive steps none of whose micro-batches fit the graphs
 
     def _graphs(self) -> GraphedStage:
-        return GraphedStage(self.module, self.sink.params, self.slots, self.index, self.scaled_loss,
-                            self.weight_grad_store, checked=self.automatic)
+        return GraphedStage(self.module, self.sink, self.slots, self.index, self.scaled_loss,
+                            self.weight_grad_store, checked=self.automatic, accumulators=self.accumulators)
 
     @property
     def state(self) -> str:
@@ -159,6 +162,8 @@ class GraphRunner(EagerStage):
                                  'or leave cuda_graphs="auto", which captures again')
             if change:
                 self._drop()
+            else:
+                self.accumulators.bind(graphed.accumulated)  # where zero_grad() or the caller left .grad
 
     def step_done(self) -> None:
         if not self.automatic or self.off:
@@ -200,13 +205,17 @@ class GraphRunner(EagerStage):
 
     def _not_worth_capturing(self, measured: tuple[float, float] | None, forward_growth: int) -> str | None:
         """Why a watched stage stays eager (nothing failed), or None: the GPU bounds it, or its graphs would not fit.
-        A capture takes about, per slot, what a forward keeps and the stage's gradients (which the captured backward
-        returns together), and once more both for the eager warm-up and check."""
+        A capture takes about, per slot, what a forward keeps (and the stage's gradients, where the captured backward
+        returns them together), once more for the eager warm-up and check, and a set of gradients."""
         if measured and measured[1] < _HOST_SHARE * measured[0]:
             return (f"the host launches a pass in {measured[1]:.3g} ms and the GPU runs it in {measured[0]:.3g}: the "
                     "GPU bounds it, graphs would cost memory for nothing")
         gradients = sum(p.numel() * p.element_size() for p in self.sink.params if p.requires_grad)
-        needed, left = (self.slots + 1) * (forward_growth + gradients), _free_bytes(self.sink.params)
+        if self.sink.autograd_accumulates:  # the graphs add into one set of accumulators
+            needed = (self.slots + 1) * forward_growth + gradients
+        else:  # each slot's backward returns a set of gradients
+            needed = (self.slots + 1) * (forward_growth + gradients)
+        left = _free_bytes(self.sink.params)
         if needed > _MEMORY_SHARE * left:
             return (f"its CUDA graphs would need about {needed / 1e9:.3g} GB (a slot per micro-batch in flight: "
                     f"{self.slots}) and the device has {left / 1e9:.3g} GB left")
@@ -217,6 +226,7 @@ class GraphRunner(EagerStage):
         attempted = self.graphed is not None
         self.graphed = None
         if attempted:
+            self.accumulators.release(self.index)
             torch.cuda.empty_cache()  # a dropped graph's private pool stays cached, out of other allocations' reach
         self._steps_unfit = 0
         self._watch, self._timer, self._trial, self._captured_now = ShapeWatch(), PassTimer(), False, False
@@ -309,14 +319,17 @@ class GraphRunner(EagerStage):
         if self.index > 0:
             # Copies: the slot's buffers are rewritten by its next replay, maybe before a send has read them.
             held.input_grads = tuple(grad.clone() if grad is not None else None for grad in input_grads)
-        self.sink.add(param_grads)
+        if param_grads is not None:  # else the graph added them into the accumulators
+            self.sink.add(param_grads)
 
     def _weight_pass(self, micro_batch: int) -> None:
         if micro_batch not in self._replayed:
             super().backward_weight(micro_batch)
             return
         self.micro_batches.pop(micro_batch, None)
-        self.sink.add(self.graphed.backward_weights(micro_batch))
+        weight_grads = self.graphed.backward_weights(micro_batch)
+        if weight_grads is not None:
+            self.sink.add(weight_grads)
 
 
 def _free_bytes(params: list[nn.Parameter]) -> float:
@@ -330,7 +343,7 @@ def _free_bytes(params: list[nn.Parameter]) -> float:
 
 def make_runner(module: nn.Module, sink: GradientSink, index: int, scaled_loss: Callable | None,
                 weight_grad_store: WeightGradStore | None, rank: int, schedule: Schedule,
-                cuda_graphs: bool | str) -> EagerStage:
+                cuda_graphs: bool | str, accumulators: GradientAccumulators) -> EagerStage:
     """The runner of one stage: eager (``cuda_graphs`` False), graphed from the first step (True: the schedule's
     order is checked here, before any communication), or adopting graphs when it can ("auto")."""
     if cuda_graphs is False:
@@ -342,4 +355,4 @@ def make_runner(module: nn.Module, sink: GradientSink, index: int, scaled_loss: 
         if not automatic:
             raise
         return EagerStage(module, sink, index, scaled_loss, weight_grad_store, rank)
-    return GraphRunner(module, sink, index, scaled_loss, weight_grad_store, rank, slots, automatic)
+    return GraphRunner(module, sink, index, scaled_loss, weight_grad_store, rank, slots, automatic, accumulators)
