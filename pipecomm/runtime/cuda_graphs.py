@@ -5,6 +5,11 @@ each stage's forward (with the loss, on the last stage) and backward are capture
 replayed. A graph's activations live in its own memory, so a stage gets one pair of graphs per
 micro-batch it can hold in flight (the schedule says how many), used round-robin.
 
+Each slot's forward has a memory pool of its own, since its activations must outlive other slots' replays. The
+slots' whole backwards (not split into I and W) share one pool: a backward leaves nothing there that outlives it but
+its input gradients, which are copied out before any other replay, so its working memory is the stage's once, not
+once per slot. Split backwards stay in their slot's pool: I leaves the layers' output gradients there for W.
+
 Where the parameters' gradients go to ``.grad``, the captured backward adds them in place into
 ``graph_gradients``' accumulators, so that no slot's pool holds a set of gradients; with ``main_grad`` buffers it
 returns them for the caller to add.
@@ -104,6 +109,7 @@ class GraphedStage:
         self._seen: CaptureState | None = None  # what the replays read beside their inputs, as the capture saw it
         self._signature: tuple = ()  # of the micro-batch the graphs were captured for (``signature``)
         self._slots: list[_Slot] = []
+        self._backward_pool: tuple | None = None  # the slots' whole backwards share it
 
     @property
     def captured(self) -> bool:
@@ -148,7 +154,8 @@ class GraphedStage:
     def backward(self, micro_batch: int, grads: tuple | None) -> tuple[list, list]:
         """Replays the slot's backward for the outputs' ``grads`` (None: the loss's, captured as 1); returns
         the static (input grads, parameter grads), one entry per input tensor and per stage parameter (None
-        where there is no gradient); the parameter grads are None where the graphs add them into accumulators."""
+        where there is no gradient); the parameter grads are None where the graphs add them into accumulators. Valid
+        until the next backward replay of any slot."""
         slot = self._slots[micro_batch % self.num_slots]
         differentiable = iter(slot.grad_outputs)
         for output, grad in zip(slot.outputs, grads or ()):
@@ -259,6 +266,9 @@ class GraphedStage:
     def _capture_slot(self, inputs: boundary.Flat, targets: boundary.Flat, autocast) -> _Slot:
         static_inputs, static_targets = _static_copy(inputs, self.stage > 0), _static_copy(targets, False)
         pool = torch.cuda.graph_pool_handle()
+        if self.store is None and self._backward_pool is None:
+            self._backward_pool = torch.cuda.graph_pool_handle()
+        backward_pool = pool if self.store else self._backward_pool
         forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         weights = torch.cuda.CUDAGraph() if self.store else None
         deferrals = [] if self.store else None
@@ -266,7 +276,7 @@ class GraphedStage:
             with torch.cuda.graph(forward, pool=pool, capture_error_mode="thread_local"):
                 outputs = self._run(static_inputs, static_targets, deferrals)
             grad_outputs = self._probe(outputs)
-            with torch.cuda.graph(backward, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(backward, pool=backward_pool, capture_error_mode="thread_local"):
                 grads, deferred = self._input_pass(outputs, grad_outputs, static_inputs.tensors, deferrals)
             weight_grads = None
             if weights is not None:

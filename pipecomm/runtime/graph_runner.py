@@ -317,7 +317,8 @@ class GraphRunner(EagerStage):
         held.outputs = held.output_grads = None
         held.inputs = []
         if self.index > 0:
-            # Copies: the slot's buffers are rewritten by its next replay, maybe before a send has read them.
+            # Copies: any slot's next backward replay rewrites them (the backwards share a pool), maybe before a send
+            # has read them.
             held.input_grads = tuple(grad.clone() if grad is not None else None for grad in input_grads)
         if param_grads is not None:  # else the graph added them into the accumulators
             self.sink.add(param_grads)
