@@ -96,6 +96,8 @@ class Cached(nn.Module):
     (lambda m: setattr(m.linear, "weight", nn.Parameter(m.linear.weight.detach().clone())),
      "parameters' memory"),
     (lambda m: m.to(torch.float64), "parameters' memory.*buffers' memory|parameters' memory"),
+    (lambda m: m.linear.weight.register_hook(lambda grad: grad * 2), "parameters' gradient hooks"),
+    (lambda m: m.linear.bias.register_post_accumulate_grad_hook(print), "parameters' gradient hooks"),
 ])
 def test_what_the_replays_cannot_see_is_named_as_changed(change, expected):
     module = Cached()
@@ -108,6 +110,15 @@ def test_what_the_replays_cannot_see_is_named_as_changed(change, expected):
         assert found is None
     else:
         assert found is not None and re.search(expected, found), found
+
+
+def test_cuda_graphs_true_refuses_a_gradient_hook_it_would_not_replay():
+    module = Cached()
+    module.linear.weight.register_hook(lambda grad: grad * 2)
+    graphed = GraphedStage(module, GradientSink(list(module.parameters()), main_grad=False), slots=1, stage=0,
+                           loss=None)
+    with pytest.raises(ValueError, match="stage 0's parameter 'linear.weight' has a gradient hook"):
+        graphed.forward(0, (torch.randn(2, 4),), ())
 
 
 # -- on a GPU ----------------------------------------------------------------------------------

@@ -115,7 +115,8 @@ def adoption(monkeypatch):
     monkeypatch.setattr(GivenTimes, "measurements", [])
 
 
-def _train(steps, measurements, batch=lambda step: 16, schedule="1f1b", settled=None, zero_grad=True):
+def _train(steps, measurements, batch=lambda step: 16, schedule="1f1b", settled=None, zero_grad=True,
+           hooks=lambda module: None):
     """``steps`` steps of the default Pipeline and of one process, each step's loss and gradients equal, and the
     gradients of the step before, kept, unchanged; the graph states after each step (and, in ``settled``, whether
     "auto" had settled on its schedule). Without ``zero_grad`` the gradients add up over the steps."""
@@ -123,6 +124,7 @@ def _train(steps, measurements, batch=lambda step: 16, schedule="1f1b", settled=
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     reference = copy.deepcopy(module)
+    hooks(module)
     pipe = pipecomm.Pipeline(module, stage=0, num_stages=1, micro_batches=4, loss_fn=nn.functional.mse_loss,
                              schedule=schedule)
     states, kept = [], []
@@ -157,6 +159,14 @@ def test_a_host_bound_stage_captures_at_the_third_step_and_keeps_faster_graphs(a
 
 def test_replayed_gradients_add_up_over_steps_without_zero_grad(adoption):
     assert _train(5, [HOST_BOUND, FASTER], zero_grad=False)[2:] == ["replaying"] * 3
+
+
+def test_a_stage_whose_parameters_have_gradient_hooks_stays_eager(adoption):
+    calls = []
+    states = _train(4, [HOST_BOUND], hooks=lambda module: module[0].weight.register_hook(calls.append))
+    assert states[1:] == ["eager: its parameter '0.weight' has a gradient hook (register_hook), which a replay would "
+                          "not run"] * 3
+    assert len(calls) == 4 * 4, "the hook ran for every micro-batch of every step"
 
 
 def test_a_gpu_bound_stage_never_captures(adoption):

@@ -64,7 +64,7 @@ def test_each_step_starts_from_what_the_caller_left_in_grad():
 
 
 def test_a_capture_leaves_every_grad_as_it_was_and_adopts_only_the_reached():
-    reached, unreached, frozen = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    reached, unreached, frozen = (nn.Parameter(torch.zeros(2)) for _ in range(3))
     frozen.requires_grad_(False)
     reached.grad, unreached_grad = torch.full((2,), 3.0), torch.full((2,), 4.0)
     unreached.grad = unreached_grad

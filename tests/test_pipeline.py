@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -530,3 +531,41 @@ def test_parameters_replaced_since_the_pipeline_was_built_are_refused(schedule):
     module.load_state_dict({name: value.clone() for name, value in module.state_dict().items()}, assign=True)
     with pytest.raises(ValueError, match="stage 0's parameters are not the ones the Pipeline was built with"):
         pipe.step(x, target=y)
+
+
+@pytest.mark.parametrize(("schedule", "main_grad", "refused_by"), [
+    ("1f1b", False, None),
+    ("zb-h1", False, "the zero-bubble schedule's split backward"),
+    ("1f1b", True, "main_grad=True's accumulation"),
+])
+def test_post_accumulate_grad_hooks_run_per_micro_batch_or_are_refused(schedule, main_grad, refused_by):
+    """A post-accumulate-grad hook runs after each micro-batch's accumulation, as it would with one process calling
+    backward per micro-batch; a backward that adds gradients itself (a split one, main_grad buffers) cannot run it,
+    so the step refuses before any work, naming the parameter (closing the Pipeline, as every failed call does), and a
+    new one trains once the hook is gone."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if main_grad else torch.float32  # main_grad buffers are for low-precision parameters
+    module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
+    reference = copy.deepcopy(module)
+    seen, expected = [], []
+    handle = module[2].weight.register_post_accumulate_grad_hook(lambda param: seen.append(param.grad.clone()))
+    reference[2].weight.register_post_accumulate_grad_hook(lambda param: expected.append(param.grad.clone()))
+    build = lambda: pipecomm.Pipeline(module, stage=0, num_stages=1, micro_batches=4,  # noqa: E731
+                                      loss_fn=nn.functional.mse_loss, schedule=schedule, main_grad=main_grad)
+    pipe = build()
+    x, y = torch.randn(16, 8, dtype=dtype), torch.randn(16, 4, dtype=dtype)
+    if refused_by:
+        with pytest.raises(ValueError, match=f"stage 0's parameter '2.weight' has a post-accumulate-grad hook, "
+                                             f"which {re.escape(refused_by)} would not run"):
+            pipe.step(x, target=y)
+        assert all(p.grad is None and getattr(p, "main_grad", torch.zeros(1)).eq(0).all() for p in module.parameters())
+        assert not seen
+        handle.remove()
+        build().step(x, target=y)
+        return
+    pipe.step(x, target=y)
+    for a, b in zip(x.chunk(4), y.chunk(4)):
+        (nn.functional.mse_loss(reference(a), b) / 4).backward()
+    assert len(seen) == len(expected) == 4
+    for got, want in zip(seen, expected):
+        torch.testing.assert_close(got, want)

@@ -2,9 +2,9 @@
 
 A replay reads the parameters and buffers at the addresses the capture found them, and every value the forward read
 from Python then as a constant. ``CaptureState`` records those a step can cheaply look at again: the parameters'
-and buffers' memory, which parameters require grad, every module's attributes holding plain values or tensors kept
-outside parameters and buffers, and autocast and grad mode. Values read from elsewhere (a global, a closure) it
-cannot see (docs/using.md, "CUDA graphs").
+and buffers' memory, which parameters require grad and which have gradient hooks, every module's attributes holding
+plain values or tensors kept outside parameters and buffers, and autocast and grad mode. Values read from elsewhere (a
+global, a closure) it cannot see (docs/using.md, "CUDA graphs").
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from torch import nn
 
 __all__: list[str] = []
 
-_PARTS = ("parameters' memory", "parameters' requires_grad", "buffers' memory", "autocast and grad mode")
+_PARTS = ("parameters' memory", "parameters' requires_grad", "parameters' gradient hooks", "buffers' memory",
+          "autocast and grad mode")
 _MISSING = object()
 
 
@@ -29,9 +30,9 @@ class CaptureState:
 
     def changed(self) -> list[str]:
         """What the replays would miss (empty: nothing): a parameter or buffer moved to other memory, a parameter
-        frozen or unfrozen, a watched attribute set anew (``training``, a dropout's ``p``, a temperature, a cached
-        tensor replaced), autocast or grad mode. Cheap enough for every step: a few reads per parameter, buffer and
-        attribute."""
+        frozen or unfrozen or given a gradient hook, a watched attribute set anew (``training``, a dropout's ``p``, a
+        temperature, a cached tensor replaced), autocast or grad mode. Cheap enough for every step: a few reads per
+        parameter, buffer and attribute."""
         changed = [name for name, old, new in zip(_PARTS, self._state, _state(self.module)) if old != new]
         return changed + [f"{type(inner).__name__}.{name} (was {_shown(value)})"
                           for inner, name, value in self._attributes
@@ -41,6 +42,7 @@ class CaptureState:
 def _state(module: nn.Module) -> tuple:
     params = list(module.parameters())
     return (tuple(p.data_ptr() for p in params), tuple(p.requires_grad for p in params),
+            any(p._backward_hooks or p._post_accumulate_grad_hooks for p in params),  # a capture saw none
             tuple(b.data_ptr() for b in module.buffers()),
             (torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipecomm.splitting.capture import CapturedStage
@@ -121,3 +122,19 @@ def starting_schedule(schedule: str | Schedule, num_ranks: int, micro_batches: i
     check_schedule(chosen, stages, rank, micro_batches)
     validate(chosen)
     return chosen
+
+
+def gradient_hook(module: nn.Module, post_accumulate_only: bool = False) -> str | None:
+    """The first trainable parameter of ``module`` with a gradient hook (``register_hook``, or with
+    ``post_accumulate_only`` a ``register_post_accumulate_grad_hook`` alone), said; None where none has one."""
+    for name, param in module.named_parameters():
+        if param.requires_grad and param._post_accumulate_grad_hooks:
+            return f"parameter {name!r} has a post-accumulate-grad hook"
+        if param.requires_grad and param._backward_hooks and not post_accumulate_only:
+            return f"parameter {name!r} has a gradient hook (register_hook)"
+    return None
+
+
+def has_post_accumulate_hooks(params) -> bool:
+    """Cheap enough for every step: one attribute read per parameter."""
+    return any(param._post_accumulate_grad_hooks for param in params)

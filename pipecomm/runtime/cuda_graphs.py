@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from pipecomm.runtime import boundary
 from pipecomm.runtime.capture_state import CaptureState
+from pipecomm.runtime.checks import gradient_hook
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.schedules.schedule import Schedule
@@ -196,7 +197,12 @@ class GraphedStage:
     def _capture(self, inputs: boundary.Flat, targets: boundary.Flat) -> None:
         """Warm-up runs, then each slot's capture; with ``checked``, each slot's replay against the last warm-up.
         The module's buffers (batch norm's running statistics) are restored afterwards: these extra runs are no
-        training step's. On failure the current stream is restored and no slot is kept."""
+        training step's. On failure the current stream is restored and no slot is kept. A parameter's gradient hook
+        is refused: a replay would run its kernels as captured, not the hook."""
+        hook = gradient_hook(self.module)
+        if hook:
+            raise ValueError(f"cuda_graphs: stage {self.stage}'s {hook}, which a replay would not run; remove it, or "
+                             'leave cuda_graphs="auto", which runs such a stage eagerly')
         device = inputs.tensors[0].device
         autocast = (
             torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
@@ -237,8 +243,9 @@ class GraphedStage:
     def _warm_up(self, inputs: boundary.Flat, targets: boundary.Flat, autocast,
                  device) -> tuple[tuple | None, torch.Tensor]:
         """Eager runs on a side stream; with ``checked``, the last one's results (outputs, input and parameter
-        gradients, W's) for the probe gradients, and the random state it started from. With accumulators, the first run (into empty
-        ``.grad``s) shows which parameters get gradients; those get accumulators, zeroed before each later run."""
+        gradients, W's) for the probe gradients, and the random state it started from. With accumulators, the first
+        run (into empty ``.grad``s) shows which parameters get gradients; those get accumulators, zeroed before each
+        later run."""
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), autocast:

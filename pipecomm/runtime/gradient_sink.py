@@ -61,6 +61,11 @@ class GradientSink:
         return self._live is None and tuple(map(id, module.parameters())) != self._ids
 
     @property
+    def live(self) -> bool:
+        """Whether the parameters are read as they are at each backward (a stage sharded by FSDP)."""
+        return self._live is not None
+
+    @property
     def params(self) -> list[nn.Parameter]:
         return list(self._live.parameters()) if self._live is not None else self._params
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from pipecomm.runtime import boundary
+from pipecomm.runtime.checks import gradient_hook
 from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots, signature, signature_difference
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.graph_gradients import GradientAccumulators
@@ -141,6 +142,10 @@ class GraphRunner(EagerStage):
             return "watching"
         return "replaying" if self.graphed.captured else "to capture"
 
+    def skips_post_accumulate_hooks(self) -> str | None:
+        # "auto" does not capture a stage with gradient hooks, and drops its graphs when one is added.
+        return "cuda_graphs=True's replays" if not self.automatic else super().skips_post_accumulate_hooks()
+
     # -- adoption -------------------------------------------------------------------------------
 
     def adopt_schedule(self, schedule: Schedule, weight_grad_store: WeightGradStore | None) -> None:
@@ -204,12 +209,16 @@ class GraphRunner(EagerStage):
                 self._drop()
 
     def _not_worth_capturing(self, measured: tuple[float, float] | None, forward_growth: int) -> str | None:
-        """Why a watched stage stays eager (nothing failed), or None: the GPU bounds it, or its graphs would not fit.
+        """Why a watched stage stays eager (nothing failed), or None: the GPU bounds it, a parameter has a gradient
+        hook (Python a replay would not run), or its graphs would not fit.
         A capture takes about, per slot, what a forward keeps (and the stage's gradients, where the captured backward
         returns them together), once more for the eager warm-up and check, and a set of gradients."""
         if measured and measured[1] < _HOST_SHARE * measured[0]:
             return (f"the host launches a pass in {measured[1]:.3g} ms and the GPU runs it in {measured[0]:.3g}: the "
                     "GPU bounds it, graphs would cost memory for nothing")
+        hook = gradient_hook(self.module)
+        if hook:
+            return f"its {hook}, which a replay would not run"
         gradients = sum(p.numel() * p.element_size() for p in self.sink.params if p.requires_grad)
         if self.sink.autograd_accumulates:  # the graphs add into one set of accumulators
             needed = (self.slots + 1) * forward_growth + gradients

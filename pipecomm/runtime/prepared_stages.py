@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pipecomm.parallel.sharded_stages import ShardedStages
+from pipecomm.runtime.checks import gradient_hook, has_post_accumulate_hooks
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.executor import StageExecutor
 from pipecomm.runtime.gradient_sink import GradientSink
@@ -51,13 +52,22 @@ class PreparedStages:
 
     def check_parameters(self) -> None:
         """Before a step: a ValueError if a stage's parameters were replaced by other objects since the Pipeline was
-        built. Its gradient sinks, shared-parameter sums, zero-bubble deferrals and CUDA graphs hold the old ones, and
-        would hand the new ones some gradients and not others."""
+        built (its gradient sinks, shared-parameter sums, zero-bubble deferrals and CUDA graphs hold the old ones, and
+        would hand the new ones some gradients and not others), or if one has a post-accumulate-grad hook that its
+        backward would not run."""
         for stage, runner in self.executor.stages.items():
-            if self.sinks[stage].replaced_in(runner.module):
+            sink = self.sinks[stage]
+            if sink.replaced_in(runner.module):
                 raise ValueError(f"Pipeline: stage {stage}'s parameters are not the ones the Pipeline was built with "
                                  "(replaced since, as load_state_dict(assign=True) or assigning a new nn.Parameter "
                                  "does); load in place (assign=False, the default) or build a new Pipeline")
+            skipping = runner.skips_post_accumulate_hooks()
+            if skipping and not sink.live and has_post_accumulate_hooks(sink.params):
+                hook = gradient_hook(runner.module, post_accumulate_only=True)
+                raise ValueError(f"Pipeline: stage {stage}'s {hook}, "
+                                 f"which {skipping} would not run (autograd's accumulation into .grad runs it: an "
+                                 "unsplit schedule such as 1f1b, without main_grad, eager or cuda_graphs=\"auto\"); "
+                                 "remove the hook or run such a Pipeline")
 
     def check_deferral(self) -> None:
         """After the first step: a zero-bubble schedule whose W had nothing to defer says so, once."""

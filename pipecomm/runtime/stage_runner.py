@@ -59,6 +59,15 @@ class EagerStage:
     def step_done(self) -> None:
         """After a training step's last action."""
 
+    def skips_post_accumulate_hooks(self) -> str | None:
+        """What in this stage's backward adds gradients without autograd's accumulation, which runs the parameters'
+        post-accumulate-grad hooks as loss.backward() does; None where nothing does."""
+        if self.weight_grad_store is not None:
+            return "the zero-bubble schedule's split backward"
+        if self.sink.main_grad:
+            return "main_grad=True's accumulation"
+        return None
+
     def record(self, micro_batch: int) -> MicroBatch:
         held = self.micro_batches.get(micro_batch)
         if held is None:
