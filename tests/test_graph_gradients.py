@@ -10,12 +10,15 @@ from pipecomm.runtime.stage_runner import run_backward
 
 
 def _adopted(params, stage=0):
-    """Accumulators for ``params`` as a capture gives them: a first run's gradients show which get one."""
+    """Accumulators for ``params`` as a capture gives them: a first run's gradients show which get one, and become
+    them."""
     accumulators = GradientAccumulators()
     with accumulators.capturing(params):
-        for param in params:
-            param.grad = torch.ones_like(param)
+        first_run = [torch.ones_like(param) for param in params]
+        for param, grad in zip(params, first_run):
+            param.grad = grad
         accumulators.adopt_reached(stage, params)
+    assert [t.data_ptr() for t in accumulators.tensors(params)] == [t.data_ptr() for t in first_run]
     return accumulators
 
 

@@ -246,13 +246,16 @@ class GraphedStage:
         gradients, W's) for the probe gradients, and the random state it started from. With accumulators, the first
         run (into empty ``.grad``s) shows which parameters get gradients; those get accumulators, zeroed before each
         later run."""
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
+        caller, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+        side.wait_stream(caller)
         with torch.cuda.stream(side), autocast:
             static_inputs, static_targets = _static_copy(inputs, self.stage > 0), _static_copy(targets, False)
             for iteration in range(_WARMUP_ITERATIONS):
                 if self.accumulators and iteration == 1:
                     self.accumulated = self.accumulators.adopt_reached(self.stage, self.params)
+                    for tensor in self.accumulators.tensors(self.accumulated):
+                        # Made on this stream, used on the caller's: freed, it waits for the caller's work.
+                        tensor.record_stream(caller)
                 elif self.accumulators and iteration > 1:
                     self.accumulators.zero(self.accumulated)
                 random_state = torch.cuda.get_rng_state(device)

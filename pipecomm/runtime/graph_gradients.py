@@ -24,9 +24,9 @@ __all__: list[str] = []
 
 
 class _Accumulator:
-    def __init__(self, param: nn.Parameter):
+    def __init__(self, param: nn.Parameter, tensor: torch.Tensor):
         self.param = param
-        self.tensor = torch.zeros_like(param, memory_format=torch.preserve_format)
+        self.tensor = tensor
         self.alias: weakref.ref | None = None  # the .grad last handed out
         self.users: set[int] = set()  # the graphed stages that add into it
 
@@ -80,12 +80,13 @@ class GradientAccumulators:
 
     def adopt_reached(self, stage: int, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """During ``capturing``, after a first run: the parameters that got a gradient get an accumulator (zeros) as
-        their ``.grad``, which the runs after add into; returns them."""
+        their ``.grad``, which the runs after add into; returns them. A new accumulator is the first run's gradient
+        tensor itself (autograd made it the parameter's own, in its layout), so a capture holds no extra set."""
         reached = [p for p in params if p.requires_grad and p.grad is not None]
         for param in reached:
             entry = self._held.get(id(param))
             if entry is None:
-                entry = self._held[id(param)] = _Accumulator(param)
+                entry = self._held[id(param)] = _Accumulator(param, param.grad)
             entry.users.add(stage)
         self.zero(reached)
         return reached
