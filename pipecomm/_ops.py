@@ -19,6 +19,11 @@ def accumulate_(accumulators: Sequence[torch.Tensor], grads: Sequence[torch.Tens
     """
     if not accumulators and not grads:
         return  # nothing to dispatch on: the dispatcher picks a kernel from the tensors' devices
+    if accumulators and accumulators[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        # The kernel uploads its table of pointers from pinned host memory, which a CUDA graph's replays would read
+        # again after the host allocator handed it out anew: in a capture, torch's own kernels, one rounding each too.
+        torch._foreach_add_(list(accumulators), list(grads), alpha=scale)
+        return
     torch.ops.pipecomm.accumulate_.default(list(accumulators), list(grads), scale)
 
 

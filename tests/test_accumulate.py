@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pipecomm
+from ranks import needs_cuda
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -302,3 +303,28 @@ def test_error_accumulators_on_different_gpus(device: str) -> None:
     grads = [random_tensor((5,), F32, d) for d in devices]
     with raises_value_error("accumulate_: accumulators[2] is on cuda:1 but accumulators[0] is on cuda:0"):
         pipecomm.accumulate_(accumulators, grads)
+
+
+@needs_cuda
+def test_inside_a_cuda_graph_every_replay_adds_the_same_sums() -> None:
+    """A captured accumulate_ (a CUDA-graphed W pass adds deferred weight gradients with it) replays the same sums
+    however the host's pinned memory is used between replays."""
+    grads = [torch.randn(1023, device="cuda", dtype=BF16), torch.randn(17, device="cuda", dtype=BF16)]
+    accumulators = [torch.zeros(1023, device="cuda"), torch.zeros(17, device="cuda", dtype=BF16)]
+    expected = [a.clone() for a in accumulators]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pipecomm.accumulate_([a.clone() for a in accumulators], grads, 0.5)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pipecomm.accumulate_(accumulators, grads, 0.5)
+    for _ in range(3):
+        torch.empty(4096, dtype=torch.int64, pin_memory=True).fill_(-1).to("cuda", non_blocking=True)
+        graph.replay()
+        for acc, grad in zip(expected, grads):
+            acc.add_(grad, alpha=0.5)
+    torch.cuda.synchronize()
+    for got, want in zip(accumulators, expected):
+        assert torch.equal(got, want)

@@ -46,6 +46,7 @@ class GradientAccumulators:
 
     def bind(self, params: Iterable[nn.Parameter]) -> None:
         """Each held parameter's accumulator as its ``.grad``, holding what its ``.grad`` held (zeros for None)."""
+        zeroed, rebound = [], []
         for param in params:
             entry = self._held.get(id(param))
             if entry is None:
@@ -57,9 +58,13 @@ class GradientAccumulators:
             if alias is not None:
                 alias.data = alias.clone()  # a .grad the caller kept keeps its values
             if grad is None:
-                entry.tensor.zero_()
+                zeroed.append(entry.tensor)
             else:
                 entry.tensor.copy_(grad)
+            rebound.append(entry)
+        if zeroed:
+            torch._foreach_zero_(zeroed)  # one launch, not one per parameter
+        for entry in rebound:
             self._hand_out(entry)
 
     @contextmanager
