@@ -569,3 +569,23 @@ def test_post_accumulate_grad_hooks_run_per_micro_batch_or_are_refused(schedule,
     assert len(seen) == len(expected) == 4
     for got, want in zip(seen, expected):
         torch.testing.assert_close(got, want)
+
+
+def test_a_gradient_hook_on_a_weight_runs_under_a_split_backward():
+    """register_hook on a Linear weight: zero-bubble schedules leave that weight's gradient to autograd (W would bypass
+    the hook), so the hook runs for every micro-batch and .grad equals one process's."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    reference = copy.deepcopy(module)
+    calls = []
+    for model in (module, reference):
+        model[2].weight.register_hook(lambda grad: (calls.append(1), grad * 2)[1])
+    pipe = pipecomm.Pipeline(module, stage=0, num_stages=1, micro_batches=4, loss_fn=nn.functional.mse_loss,
+                             schedule="zb-h1")
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    pipe.step(x, target=y)
+    assert len(calls) == 4
+    for a, b in zip(x.chunk(4), y.chunk(4)):
+        (nn.functional.mse_loss(reference(a), b) / 4).backward()
+    for param, ref in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad)

@@ -16,7 +16,8 @@ and recomputed like every other saved activation. Every other parameter gets its
 and I frees the autograd graph as an ordinary backward does.
 
 Inside a region that torch.compile traces, the layer is an ordinary Linear: a compiled backward
-computes its weight gradient whole, so I does, and nothing is deferred. A deferral whose identity
+computes its weight gradient whole, so I does, and nothing is deferred. Nor is a weight with a gradient hook
+(``register_hook``), which runs on the gradient autograd computes. A deferral whose identity
 node is reached by I and yet reports nothing would leave the weight without its gradient, so it is
 an error naming the layer (``check_reported``), never a silent omission.
 """
@@ -115,6 +116,8 @@ def _may_defer(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor)
         return False
     if isinstance(weight, DTensor):
         return False  # tensor-parallel: its input and output gradient are laid out across ranks; I computes it
+    if weight._backward_hooks:
+        return False  # register_hook: the hook runs on the gradient autograd computes, which W's GEMM would bypass
     # Otherwise nothing the I pass asks for runs through this layer's backward, so it would never see the output
     # gradient: I computes the weight gradient as usual.
     return x.requires_grad or (bias is not None and bias.requires_grad)
