@@ -29,7 +29,7 @@ class EagerGraphs:
     def __init__(self, module, sink, slots, stage, loss, weight_grad_store=None, checked=False, accumulators=None):
         self.module, self.params, self.loss, self.stage = module, sink.params, loss, stage
         self.accumulators = accumulators if sink.autograd_accumulates else None
-        self.accumulated = []
+        self.accumulated, self._adding_into = [], []
         self.output_layout = None
         self.captured = False
         self._signature = None
@@ -47,6 +47,7 @@ class EagerGraphs:
                     outputs = self.replay_fitting(micro_batch, inputs, targets)
                     self.backward(micro_batch, tuple(torch.ones_like(t) for t in outputs))
                     self.accumulated = self.accumulators.adopt_reached(self.stage, self.params)
+                self._adding_into = self.accumulators.tensors(self.accumulated)  # as a capture bakes in addresses
             self.captured = True
             self._signature = signature(inputs, targets)
         return self.replay_fitting(micro_batch, inputs, targets)
@@ -75,7 +76,7 @@ class EagerGraphs:
             for param, grad in zip(self.params, param_grads):
                 param.grad = grad
         else:
-            accumulators = iter(self.accumulators.tensors(self.accumulated))
+            accumulators = iter(self._adding_into)
             for grad in param_grads:
                 if grad is not None:
                     next(accumulators).add_(grad)
@@ -214,3 +215,24 @@ def test_no_capture_while_schedule_auto_still_measures(adoption):
     last_measured = settled.index(True)
     assert all(state == "watching" for state in states[:last_measured + 2]), states
     assert states[last_measured + 2] == "to capture" and states[last_measured + 3] == "replaying", states
+
+
+def test_two_graphed_stages_sharing_a_parameter_add_into_one_accumulator(adoption):
+    """A rank's two stages holding one Linear (a tied layer): each stage's graphs add its part of the gradient into
+    the one accumulator, bound as the parameter's .grad, which equals one process's sum every step."""
+    GivenTimes.measurements[:] = [HOST_BOUND, HOST_BOUND, FASTER, FASTER]
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    stages = [nn.Sequential(shared, nn.Tanh()), nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 4))]
+    reference = copy.deepcopy(nn.ModuleList(stages))  # one copy of the shared layer, held by both
+    pipe = pipecomm.Pipeline(stages, stage=[0, 1], num_stages=2, micro_batches=4, loss_fn=nn.functional.mse_loss,
+                             schedule="interleaved-1f1b")
+    for step in range(5):
+        x, y = torch.randn(16, 8), torch.randn(16, 4)
+        pipe.step(x, target=y)
+        for a, b in zip(x.chunk(4), y.chunk(4)):
+            (nn.functional.mse_loss(reference[1](reference[0](a)), b) / 4).backward()
+        for param, ref in zip(nn.ModuleList(stages).parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, ref.grad, **TOLERANCE, msg=f"step {step}")
+            param.grad = ref.grad = None
+    assert pipe.cuda_graph_states == {0: "replaying", 1: "replaying"}
