@@ -1007,7 +1007,9 @@ def main(argv: list[str] | None = None) -> None:
             if "pools_left_gb" in row:
                 left = " / ".join(f"{gb:.3f}" for gb in row["pools_left_gb"])
                 print(f"# {name}: {row['schedule']} began with {left} GB per rank of an earlier row's CUDA graph "
-                      "pools still reserved (kept out of its peak; a Pipeline that outlived its close?)")
+                      "pools still reserved (their free part kept out of its peak): cuBLAS's workspaces for the "
+                      "capture stream, made in the first capture's pool and cached by torch, or a Pipeline that "
+                      "outlived its close")
         if "reference_loss" in summary:
             print(f"# {name}: one-process loss {summary['reference_loss']:.6f}; largest relative difference of a "
                   f"row's first-step loss {summary['reference_spread']} (tolerance {REFERENCE_TOLERANCE:g})")
