@@ -24,6 +24,8 @@ __all__: list[str] = []
 
 
 class _Accumulator:
+    """One parameter's accumulator, the ``.grad`` last handed out on it, and the graphed stages adding into it."""
+
     def __init__(self, param: nn.Parameter, tensor: torch.Tensor):
         self.param = param
         self.tensor = tensor
