@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -102,3 +103,69 @@ def test_a_shared_parameter_keeps_its_accumulator_until_no_stage_uses_it():
     assert accumulators.tensors([shared])[0] is accumulator
     accumulators.release(3)
     assert not accumulators.holds(shared) and shared.grad is not None
+
+
+class _EagerReplay:
+    """A "graph" whose replay runs a function eagerly: the check's logic on a CPU."""
+
+    def __init__(self, run):
+        self.replay = run
+
+
+def _eager_slot(module, x, accumulator_of, stale=False):
+    """A slot of ``module`` on input ``x`` whose backward adds into the accumulators (``stale``: the weight's gradient
+    scaled by a factor the capture would have baked in, the outputs and input gradients right)."""
+    from pipecomm.runtime.cuda_graphs import _Slot  # the check's own slot type
+    output, grad_output = torch.zeros(2, 3, requires_grad=True), torch.zeros(2, 3)  # as a captured output
+    input_grad = torch.zeros_like(x)
+
+    @torch.no_grad()
+    def forward():
+        output.copy_(module(x))
+
+    def backward():
+        leaf = x.clone().requires_grad_()
+        grads = torch.autograd.grad(module(leaf), [leaf, module.weight, module.bias], grad_output)
+        input_grad.copy_(grads[0])
+        accumulator_of(module.weight).add_(grads[1], alpha=1.5 if stale else 1.0)
+        accumulator_of(module.bias).add_(grads[2])
+
+    return _Slot(None, None, [output], [grad_output], _EagerReplay(forward), _EagerReplay(backward), [input_grad], None)
+
+
+@pytest.mark.parametrize("stale_slot", [None, 0, 1])
+def test_the_check_finds_a_slot_off_eager_without_copying_the_gradients(monkeypatch, stale_slot):
+    """The check of replays that add into accumulators: the first slot with the probe negated, each later one with
+    the probe and the first negated again, must leave the accumulators about zero; a slot computing with a stale
+    weight, first or later, is found."""
+    from pipecomm.runtime import cuda_graphs
+    from pipecomm.runtime.gradient_sink import GradientSink
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: None)
+    torch.manual_seed(0)
+    module = nn.Linear(4, 3)
+    params = list(module.parameters())
+    accumulators = _adopted(params, stage=1)
+    by_id = dict(zip(map(id, params), accumulators.tensors(params)))
+
+    def accumulator_of(param):
+        return by_id[id(param)]
+
+    graphed = cuda_graphs.GraphedStage(module, GradientSink(params, main_grad=False), slots=2, stage=1, loss=None,
+                                       checked=True, accumulators=accumulators)
+    graphed.accumulated = params
+    x = torch.randn(2, 4)
+    # The eager run: R in the accumulators, the reference the warm-up keeps.
+    leaf = x.clone().requires_grad_()
+    output = module(leaf)
+    probe = graphed._probe([output])[0]
+    grads = torch.autograd.grad(output, [leaf, *params], probe)
+    for param, grad in zip(params, grads[1:]):
+        accumulator_of(param).copy_(grad)
+    reference = ([output.detach()], [grads[0]], cuda_graphs._largest_entries(accumulators.tensors(params)), [])
+    graphed._slots = [_eager_slot(module, x, accumulator_of, stale=index == stale_slot) for index in range(2)]
+    if stale_slot is None:
+        graphed._check_replays(reference, torch.zeros(1), torch.device("cpu"))
+        assert all(t.abs().max() < 1e-6 for t in accumulators.tensors(params))
+    else:
+        with pytest.raises(cuda_graphs.GraphCheckError, match=f"slot {stale_slot} differs.*parameter gradient 0"):
+            graphed._check_replays(reference, torch.zeros(1), torch.device("cpu"))

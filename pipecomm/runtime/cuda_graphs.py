@@ -264,12 +264,13 @@ class GraphedStage:
                 grads, deferred = self._input_pass(outputs, self._probe(outputs), static_inputs.tensors, deferrals)
                 weight_grads = self._weight_pass(deferred) if self.store else None
             reference = None
-            if self.checked:  # copies of a whole set of gradients: only for the check
+            if self.checked:
                 input_grads, param_grads = self._align(grads, static_inputs.tensors)
-                if self.accumulators:
-                    param_grads = self.accumulators.tensors(self.accumulated)
-                reference = (_detached(outputs), _detached(input_grads), _detached(param_grads),
-                             _detached(weight_grads or []))
+                # With accumulators, the eager parameter gradients stay there for the check; kept here only their
+                # largest entries, where returned gradients are copied.
+                param_part = (_largest_entries(self.accumulators.tensors(self.accumulated)) if self.accumulators
+                              else _detached(param_grads))
+                reference = (_detached(outputs), _detached(input_grads), param_part, _detached(weight_grads or []))
         torch.cuda.current_stream(device).wait_stream(side)
         return reference, random_state
 
@@ -307,23 +308,39 @@ class GraphedStage:
 
     def _check_replays(self, reference: tuple, random_state: torch.Tensor, device: torch.device) -> None:
         """Each slot replayed on the capture's micro-batch, from the random state the eager run started at, equals
-        that run: its outputs, input gradients, parameter gradients and W's, to the atomics' noise."""
+        that run: its outputs, input gradients, parameter gradients and W's, to the atomics' noise.
+
+        Accumulators hold the eager run's parameter gradients R, and no copy of them is made: a backward is linear in
+        its output gradient, so the first slot replayed with the probe negated leaves R - G0, and each later slot
+        replayed with the probe, then the first negated again, adds Gk - G0; each time the accumulators must be zero
+        to within the tolerance of R's largest entries."""
+        expected_outputs, expected_input_grads, expected_params, expected_weights = reference
         for index, slot in enumerate(self._slots):
+            sign = -1.0 if self.accumulators and index == 0 else 1.0
+            self._replay_probed(slot, random_state, device, sign)
+            input_grads = [grad if grad is None or sign > 0 else -grad for grad in slot.input_grads]
             if self.accumulators:
-                self.accumulators.zero(self.accumulated)
-            torch.cuda.set_rng_state(random_state, device)
-            for static, probe in zip(slot.grad_outputs, self._probe(slot.outputs)):
-                static.copy_(probe)
-            slot.forward.replay()
-            slot.backward.replay()
-            if slot.weights is not None:
-                slot.weights.replay()
-            param_grads = self.accumulators.tensors(self.accumulated) if self.accumulators else slot.param_grads
-            replayed = (slot.outputs, slot.input_grads, param_grads, slot.weight_grads or [])
-            difference = _largest_difference(replayed, reference)
+                replayed = (slot.outputs, input_grads, [], [])
+                difference = _largest_difference(replayed, (expected_outputs, expected_input_grads, [], []))
+                if not difference and index > 0:
+                    self._replay_probed(self._slots[0], random_state, device, -1.0)
+                difference = difference or _off_zero(self.accumulators.tensors(self.accumulated), expected_params)
+            else:
+                replayed = (slot.outputs, input_grads, slot.param_grads, slot.weight_grads or [])
+                difference = _largest_difference(replayed, reference)
             if difference:
                 raise GraphCheckError(f"stage {self.stage}: the first replay of CUDA graph slot {index} differs from "
                                       f"an eager run of the same micro-batch: {difference}")
+
+    def _replay_probed(self, slot: _Slot, random_state: torch.Tensor, device: torch.device, sign: float) -> None:
+        """The slot's passes from ``random_state``, the probe gradients times ``sign`` into its backward."""
+        torch.cuda.set_rng_state(random_state, device)
+        for static, probe in zip(slot.grad_outputs, self._probe(slot.outputs)):
+            static.copy_(probe.mul_(sign))
+        slot.forward.replay()
+        slot.backward.replay()
+        if slot.weights is not None:
+            slot.weights.replay()
 
     def _input_pass(self, outputs: list, grad_outputs: list, inputs: list,
                     deferrals: list[Deferral] | None) -> tuple[tuple, list[DeferredGrad]]:
@@ -433,6 +450,25 @@ def _largest_difference(replayed: tuple, reference: tuple) -> str | None:
     for (name, tolerance), (difference, largest) in zip(named, torch.stack(pairs).tolist()):
         if not difference <= tolerance * largest:  # NaN fails too
             return f"{name}: largest difference {difference:.3g} where the largest entry is {largest:.3g}"
+    return None
+
+
+def _largest_entries(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each non-empty tensor's largest absolute entry, a 0-d fp32 tensor (no synchronization)."""
+    return [tensor.detach().float().abs().max() for tensor in tensors if tensor.numel()]
+
+
+def _off_zero(tensors: Sequence[torch.Tensor], largest: Sequence[torch.Tensor]) -> str | None:
+    """The first non-empty tensor whose largest entry is over the tolerance relative to ``largest`` (its eager twin's,
+    in the same order), described; None where every one is about zero. One synchronization."""
+    tensors = [tensor for tensor in tensors if tensor.numel()]
+    if not tensors:
+        return None
+    found = torch.stack(_largest_entries(tensors) + list(largest)).tolist()
+    for index, (tensor, got, bound) in enumerate(zip(tensors, found, found[len(tensors):])):
+        if not got <= _CHECK_TOLERANCE.get(tensor.dtype, _CHECK_TOLERANCE_DEFAULT) * bound:  # NaN fails too
+            return (f"parameter gradient {index}: largest difference {got:.3g} where the largest entry is "
+                    f"{bound:.3g}")
     return None
 
 
