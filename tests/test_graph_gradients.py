@@ -166,6 +166,8 @@ def test_the_check_finds_a_slot_off_eager_without_copying_the_gradients(monkeypa
     if stale_slot is None:
         graphed._check_replays(reference, torch.zeros(1), torch.device("cpu"))
         assert all(t.abs().max() < 1e-6 for t in accumulators.tensors(params))
+        graphed.backward(0, None)  # the loss's own gradient, whatever probe the check left in the slot
+        assert torch.equal(graphed._slots[0].grad_outputs[0], torch.ones(2, 3))
     else:
         with pytest.raises(cuda_graphs.GraphCheckError, match=f"slot {stale_slot} differs.*parameter gradient 0"):
             graphed._check_replays(reference, torch.zeros(1), torch.device("cpu"))

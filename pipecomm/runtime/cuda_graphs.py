@@ -153,11 +153,14 @@ class GraphedStage:
         return f"stage {self.stage}'s {', '.join(changed)} changed since the CUDA graphs were captured"
 
     def backward(self, micro_batch: int, grads: tuple | None) -> tuple[list, list]:
-        """Replays the slot's backward for the outputs' ``grads`` (None: the loss's, captured as 1); returns
+        """Replays the slot's backward for the outputs' ``grads`` (None: the loss's own, 1); returns
         the static (input grads, parameter grads), one entry per input tensor and per stage parameter (None
         where there is no gradient); the parameter grads are None where the graphs add them into accumulators. Valid
         until the next backward replay of any slot."""
         slot = self._slots[micro_batch % self.num_slots]
+        if grads is None:
+            for static in slot.grad_outputs:
+                static.fill_(1.0)  # set each time: the capture's check leaves other probes there
         differentiable = iter(slot.grad_outputs)
         for output, grad in zip(slot.outputs, grads or ()):
             if output.requires_grad:
