@@ -317,7 +317,7 @@ class GraphedStage:
         its output gradient, so the first slot replayed with the probe negated leaves R - G0, and each later slot
         replayed with the probe, then the first negated again, adds Gk - G0; each time the accumulators must be zero
         to within the tolerance of R's largest entries."""
-        expected_outputs, expected_input_grads, expected_params, expected_weights = reference
+        expected_outputs, expected_input_grads, expected_params, _ = reference
         for index, slot in enumerate(self._slots):
             sign = -1.0 if self.accumulators and index == 0 else 1.0
             self._replay_probed(slot, random_state, device, sign)

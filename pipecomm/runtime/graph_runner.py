@@ -5,8 +5,8 @@ they pay and a checked capture agrees with eager, with eager runs wherever the g
 dtypes and times its passes (``PassTimer``). After two steps alike it captures at the third, unless the host launched
 a pass in under ``_HOST_SHARE`` of its GPU span (the GPU bounds the stage: graphs would keep each in-flight
 micro-batch's activations in memory of their own for nothing), or unless the capture would take more than
-``_MEMORY_SHARE`` of the device memory left (each slot holds what one micro-batch's forward keeps and the stage's
-gradients; measured: a trial capture lifted a step's peak to 1.6x the eager one); each slot's first replay must
+``_MEMORY_SHARE`` of the device memory left (each slot holds what one micro-batch's forward keeps, and the stage's
+gradients where its backward returns them; measured: a trial capture lifted a step's peak to 1.6x the eager one); each slot's first replay must
 equal an eager run of the same micro-batch. The step after the capture is a trial: the graphs stay only if a
 replayed pass took the GPU under ``_KEEP_BELOW`` of an eager one. Then every micro-batch that fits replays and any
 other (a short last batch) runs eagerly; a step that none fits, twice in a row, or a change the graphs cannot see
@@ -210,9 +210,9 @@ class GraphRunner(EagerStage):
 
     def _not_worth_capturing(self, measured: tuple[float, float] | None, forward_growth: int) -> str | None:
         """Why a watched stage stays eager (nothing failed), or None: the GPU bounds it, a parameter has a gradient
-        hook (Python a replay would not run), or its graphs would not fit.
-        A capture takes about, per slot, what a forward keeps (and the stage's gradients, where the captured backward
-        returns them together), once more for the eager warm-up and check, and a set of gradients."""
+        hook (Python a replay would not run), or its graphs would not fit. A capture takes about, per slot, what a
+        forward keeps (and the stage's gradients, where the captured backward returns them together), once more for
+        the eager warm-up and check, and a set of gradients."""
         if measured and measured[1] < _HOST_SHARE * measured[0]:
             return (f"the host launches a pass in {measured[1]:.3g} ms and the GPU runs it in {measured[0]:.3g}: the "
                     "GPU bounds it, graphs would cost memory for nothing")

@@ -62,12 +62,11 @@ class PreparedStages:
                                  "(replaced since, as load_state_dict(assign=True) or assigning a new nn.Parameter "
                                  "does); load in place (assign=False, the default) or build a new Pipeline")
             skipping = runner.skips_post_accumulate_hooks()
-            if skipping and not sink.live and has_post_accumulate_hooks(sink.params):
+            if skipping and has_post_accumulate_hooks(sink.params):
                 hook = gradient_hook(runner.module, post_accumulate_only=True)
-                raise ValueError(f"Pipeline: stage {stage}'s {hook}, "
-                                 f"which {skipping} would not run (autograd's accumulation into .grad runs it: an "
-                                 "unsplit schedule such as 1f1b, without main_grad, eager or cuda_graphs=\"auto\"); "
-                                 "remove the hook or run such a Pipeline")
+                raise ValueError(f"Pipeline: stage {stage}'s {hook}, which {skipping} would not run (autograd's "
+                                 "accumulation into .grad runs it: an unsplit schedule such as 1f1b, without "
+                                 'main_grad, eager or cuda_graphs="auto"); remove the hook or run such a Pipeline')
 
     def check_deferral(self) -> None:
         """After the first step: a zero-bubble schedule whose W had nothing to defer says so, once."""

@@ -61,7 +61,10 @@ class EagerStage:
 
     def skips_post_accumulate_hooks(self) -> str | None:
         """What in this stage's backward adds gradients without autograd's accumulation, which runs the parameters'
-        post-accumulate-grad hooks as loss.backward() does; None where nothing does."""
+        post-accumulate-grad hooks as loss.backward() does; None where nothing does, or where FSDP's gradient path
+        (a sharded stage) is the one to ask."""
+        if self.sink.live:
+            return None
         if self.weight_grad_store is not None:
             return "the zero-bubble schedule's split backward"
         if self.sink.main_grad:
