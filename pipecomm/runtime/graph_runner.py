@@ -2,17 +2,17 @@
 they pay and a checked capture agrees with eager, with eager runs wherever the graphs cannot serve.
 
 ``cuda_graphs="auto"`` (the default) runs a stage eagerly while it watches the micro-batches' structure, shapes and
-dtypes and times its passes (``PassTimer``). After two steps alike it captures at the third, unless the host launched
-a pass in under ``_HOST_SHARE`` of its GPU span (the GPU bounds the stage: graphs would keep each in-flight
-micro-batch's activations in memory of their own for nothing), or unless the capture would take more than
-``_MEMORY_SHARE`` of the device memory left (each slot holds what one micro-batch's forward keeps, and the stage's
-gradients where its backward returns them; measured: a trial capture lifted a step's peak to 1.6x the eager one);
-each slot's first replay must equal an eager run of the same micro-batch. The step after the capture is a trial:
-the graphs stay only if a replayed pass took the GPU under ``_KEEP_BELOW`` of an eager one. Then every micro-batch
-that fits replays and any other (a short last batch) runs eagerly; a step that none fits, twice in a row, or a change the graphs cannot see
-(``GraphedStage.changed_since_capture``) drops the graphs, and the watch starts again. A failed capture or check,
-shapes that never hold still, or more captures than ``_CAPTURES`` leave the stage eager for good, with a one-line
-warning saying why.
+dtypes and times its passes (``PassTimer``). After two steps alike it captures at the third, unless the host launched a
+pass in under ``_HOST_SHARE`` of its GPU span (the GPU bounds the stage: graphs would keep each in-flight micro-batch's
+activations in memory of their own for nothing), or unless the capture would take more than ``_MEMORY_SHARE`` of the
+device memory left (each slot holds what one micro-batch's forward keeps, and the stage's gradients where its backward
+returns them; measured: a trial capture lifted a step's peak to 1.6x the eager one); each slot's first replay must equal
+an eager run of the same micro-batch. The step after the capture is a trial: the graphs stay only if a replayed pass
+took the GPU under ``_KEEP_BELOW`` of an eager one. Then every micro-batch that fits replays and any other (a short last
+batch) runs eagerly; a step that none fits, twice in a row, or a change the graphs cannot see
+(``GraphedStage.changed_since_capture``) drops the graphs, and the watch starts again. A failed capture or check, shapes
+that never hold still, or more captures than ``_CAPTURES`` leave the stage eager for good, with a one-line warning
+saying why.
 """
 
 from __future__ import annotations
