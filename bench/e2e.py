@@ -17,9 +17,9 @@ schedule it reports the median step time (CUDA events, after warm-up; the slower
 efficiency = one stage's pure compute time / step time, where the compute time is forward + backward
 of one stage's layers on one micro-batch on one GPU without a pipeline, times micro_batches (the
 slowest stage), the ideal 1F1B efficiency m / (m + p - 1), and each rank's peak memory
-(torch.cuda.max_memory_allocated, reset before each schedule; model weights included; for CUDA-graph rows
-plus the free part of the graphs' private memory pools, which their replays reuse), over the whole run and, as
-"steady", over the timed steps alone (a capture's moment in the warm-up left out).
+(torch.cuda.max_memory_allocated, reset before each schedule; model weights included; for CUDA-graph rows, after
+the captures, plus the free part of the graphs' private memory pools, which their replays reuse), over the whole run
+and, as "steady", over the timed steps alone (a capture's moment in the warm-up left out).
 
 Schedules: pipecomm gpipe, 1f1b, interleaved-1f1b (v=2), zb-h1, zb-v, zb-h2, auto, and 1f1b, interleaved-1f1b,
 zb-h1 and zb-v with CUDA graphs (Pipeline(cuda_graphs=True), rows "+graphs"), 1f1b eager (cuda_graphs=False, row
@@ -307,18 +307,19 @@ class Rank:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak_gb(self, earlier: int = 0) -> float | None:
-        """Peak allocated bytes since the last reset (or ``earlier``'s, a peak before it, if higher), plus what the
-        CUDA graphs of this row hold reserved for their replays in their private pools (the free part: what is
-        allocated there counts already).
+        """Peak allocated bytes since the last reset plus what the CUDA graphs of this row hold reserved for their
+        replays in their private pools (the free part: what is allocated there counts already); or ``earlier``, a
+        peak allocated before the reset (a warm-up's, with the captures in it), if higher.
 
-        Captured graphs reuse their pools' memory at every replay, but the tensors that occupied it
-        during capture were freed, so max_memory_allocated alone would not see it. Pools that were there when the
-        row began are an earlier row's (``pools_left``), not this one's.
+        Captured graphs reuse their pools' memory at every replay, but the tensors that occupied it during capture
+        were freed, so max_memory_allocated alone would not see it after the capture; during it, they count as
+        allocated, so a peak then is not lifted by the pools' free part at the end (which the captures' freed tensors
+        make). Pools that were there when the row began are an earlier row's (``pools_left``), not this one's.
         """
         if not self.cuda:
             return None
         graph_pools = sum(free for pool, (_, free) in self.graph_pools().items() if pool not in self.pools_left)
-        return (max(torch.cuda.max_memory_allocated(self.device), earlier) + graph_pools) / 1e9
+        return max(torch.cuda.max_memory_allocated(self.device) + graph_pools, earlier) / 1e9
 
     def graph_pools(self) -> dict[tuple, tuple[int, int]]:
         """Private (CUDA-graph) pool id -> (its reserved bytes, those of them not allocated), on this rank's device."""

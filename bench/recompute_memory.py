@@ -177,7 +177,7 @@ def measure(model: str, config_name: str, p: int, mode: str, device: torch.devic
                         with saved.observe():
                             output = module(micro_batches[micro_batch])
                         kept.append(saved.nbytes)
-                    stage_runner.free_data(stage_runner._held_only_by_themselves([output]))  # as after its send
+                    stage_runner.free_data(stage_runner.held_only_by_themselves([output]))  # as after its send
                     outputs[micro_batch] = output
                 timed("F", forward) if time_passes else forward()
             elif action.kind == "B":

@@ -101,8 +101,8 @@ class Cached(nn.Module):
 ])
 def test_what_the_replays_cannot_see_is_named_as_changed(change, expected):
     module = Cached()
-    graphed = GraphedStage(module, GradientSink(list(module.parameters()), main_grad=False), slots=1, stage=0,
-                           loss=None)
+    graphed = GraphedStage(module, GradientSink(list(module.parameters()), main_grad=False), [("F", 0), ("B", 0)],
+                           stage=0, loss=None)
     graphed.record_state()  # as a capture ends
     change(module)
     found = graphed.changed_since_capture()
@@ -115,8 +115,8 @@ def test_what_the_replays_cannot_see_is_named_as_changed(change, expected):
 def test_cuda_graphs_true_refuses_a_gradient_hook_it_would_not_replay():
     module = Cached()
     module.linear.weight.register_hook(lambda grad: grad * 2)
-    graphed = GraphedStage(module, GradientSink(list(module.parameters()), main_grad=False), slots=1, stage=0,
-                           loss=None)
+    graphed = GraphedStage(module, GradientSink(list(module.parameters()), main_grad=False), [("F", 0), ("B", 0)],
+                           stage=0, loss=None)
     with pytest.raises(ValueError, match="stage 0's parameter 'linear.weight' has a gradient hook"):
         graphed.forward(0, (torch.randn(2, 4),), ())
 

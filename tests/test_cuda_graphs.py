@@ -1,4 +1,5 @@
-"""CUDA-graph stages: slot counts from the schedule, and replayed forwards/backwards equal to eager ones with several micro-batches in flight."""
+"""CUDA-graph stages: their passes from the schedule, and replayed forwards/backwards equal to eager ones with several
+micro-batches in flight, in memory eager would hold."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots
+from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight, stage_passes
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.schedules.schedule import make_schedule
 from pipecomm.runtime.split_backward import WeightGradStore, defer_linear_weight_grads
+from pipecomm.runtime.stage_runner import EagerStage
 from ranks import needs_cuda
 
 
@@ -25,21 +27,25 @@ from ranks import needs_cuda
         ("gpipe", 2, 4, 1, {(0, 0): 4, (1, 1): 4}),
     ],
 )
-def test_slots_are_the_most_micro_batches_a_stage_holds(name, ranks, micro_batches, virtual, expected):
+def test_in_flight_is_the_most_micro_batches_a_stage_holds(name, ranks, micro_batches, virtual, expected):
     schedule = make_schedule(name, ranks, micro_batches, virtual)
-    for (rank, stage), slots in expected.items():
-        assert in_flight_slots(schedule, rank, stage) == slots
+    for (rank, stage), held in expected.items():
+        assert in_flight(stage_passes(schedule, rank, stage)) == held
 
 
-def test_interleaved_slots_cover_every_chunk():
-    schedule = make_schedule("interleaved-1f1b", 2, 4, 2)
+def test_a_stage_passes_are_its_compute_actions_in_the_schedule_order():
+    schedule = make_schedule("1f1b", 2, 4)
+    assert stage_passes(schedule, 0, 0) == (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2),
+                                            ("B", 3))
+    interleaved = make_schedule("interleaved-1f1b", 2, 4, 2)
     for rank in range(2):
-        for stage in schedule.stages_of(rank):
-            assert 1 <= in_flight_slots(schedule, rank, stage) <= 4
+        for stage in interleaved.stages_of(rank):
+            passes = stage_passes(interleaved, rank, stage)
+            assert sorted(passes) == sorted([(kind, m) for kind in "BF" for m in range(4)])
 
 
 @pytest.mark.parametrize(("name", "virtual"), [("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2)])
-def test_split_backwards_hold_a_slot_from_forward_to_weight_pass(name, virtual):
+def test_split_backwards_hold_a_micro_batch_from_forward_to_weight_pass(name, virtual):
     schedule = make_schedule(name, 2, 4, virtual)
     for rank in range(2):
         for stage in schedule.stages_of(rank):
@@ -48,17 +54,49 @@ def test_split_backwards_hold_a_slot_from_forward_to_weight_pass(name, virtual):
                 if action.stage == stage and action.kind in "FW":
                     held += 1 if action.kind == "F" else -1
                     most = max(most, held)
-            assert in_flight_slots(schedule, rank, stage) == most >= 1
+            assert in_flight(stage_passes(schedule, rank, stage)) == most >= 1
 
 
-def test_passes_out_of_forward_order_are_refused():
+def test_passes_out_of_forward_order_are_followed_but_mixed_backwards_refused():
+    """Graphs per micro-batch follow any order of the passes; a stage whose backward is whole for some micro-batches
+    and split for others is refused."""
     schedule = make_schedule("zb-h1", 2, 4)
     actions = list(schedule.actions[0])
     weights = [index for index, action in enumerate(actions) if action.kind == "W"]
     actions[weights[0]], actions[weights[1]] = actions[weights[1]], actions[weights[0]]
     swapped = dataclasses.replace(schedule, actions=(tuple(actions), *schedule.actions[1:]))
-    with pytest.raises(ValueError, match="W passes out of forward order"):
-        in_flight_slots(swapped, 0, 0)
+    passes = stage_passes(swapped, 0, 0)
+    assert passes.index(("W", 1)) < passes.index(("W", 0))
+    inputs = [index for index, action in enumerate(actions) if action.kind == "I"]
+    actions[inputs[0]] = dataclasses.replace(actions[inputs[0]], kind="B")
+    mixed = dataclasses.replace(schedule, actions=(tuple(actions), *schedule.actions[1:]))
+    with pytest.raises(ValueError, match="whole for some micro-batches and split for others"):
+        stage_passes(mixed, 0, 0)
+
+
+def test_a_replay_out_of_the_captured_order_is_refused():
+    module = nn.Linear(4, 4)
+    graphed = GraphedStage(module, GradientSink(list(module.parameters()), main_grad=False),
+                           passes=[("F", 0), ("F", 1), ("B", 0), ("B", 1)], stage=0, loss=None)
+    graphed._graphs = {step: _Replay() for step in graphed.passes}  # captured, as far as the order goes
+    graphed._launch("F", 0)
+    graphed._launch("B", 0)  # skipping F1 is allowed: a skipped pass writes nothing
+    with pytest.raises(RuntimeError, match="F pass of micro-batch 1 comes out of the order .* F0 F1 B0 B1"):
+        graphed._launch("F", 1)
+    with pytest.raises(RuntimeError, match="F pass of micro-batch 2 was not captured"):
+        graphed._launch("F", 2)
+    graphed.new_step()
+    graphed._launch("F", 1)
+
+
+class _Replay:
+    def replay(self):
+        pass
+
+
+def _passes(*names: str) -> list[tuple[str, int]]:
+    """("F0", "B0", ...) as (kind, micro-batch) passes."""
+    return [(name[0], int(name[1:])) for name in names]
 
 
 @needs_cuda
@@ -67,7 +105,8 @@ def test_replayed_stage_equals_eager_with_two_micro_batches_in_flight():
     module = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).cuda()
     reference = copy.deepcopy(module)
     params = list(module.parameters())
-    graphed = GraphedStage(module, GradientSink(params, main_grad=False), slots=2, stage=1, loss=None)
+    graphed = GraphedStage(module, GradientSink(params, main_grad=False), _passes("F0", "F1", "B0", "B1", "F2", "B2"),
+                           stage=1, loss=None)
     xs = [torch.randn(4, 16, device="cuda", requires_grad=True) for _ in range(3)]  # received: they need grads
     grads = [torch.randn(4, 16, device="cuda") for _ in range(3)]
 
@@ -75,7 +114,7 @@ def test_replayed_stage_equals_eager_with_two_micro_batches_in_flight():
     input_grads, param_grads = {}, {}
     for micro_batch in (0, 1, 2):
         if micro_batch == 2:
-            outputs[2] = graphed.forward(2, (xs[2],), ())[0].clone()  # reuses slot 0 after its backward
+            outputs[2] = graphed.forward(2, (xs[2],), ())[0].clone()  # may reuse micro-batch 0's memory
         got_input, got_params = graphed.backward(micro_batch, (grads[micro_batch],))
         input_grads[micro_batch] = got_input[0].clone()
         param_grads[micro_batch] = [g.clone() for g in got_params]
@@ -117,8 +156,8 @@ def test_split_backward_replays_equal_eager_input_and_weight_gradients():
     params = list(module.parameters())
     store = WeightGradStore()
     defer_linear_weight_grads([module], store)
-    graphed = GraphedStage(module, GradientSink(params, main_grad=False), slots=2, stage=1, loss=None,
-                           weight_grad_store=store)
+    graphed = GraphedStage(module, GradientSink(params, main_grad=False), _passes("F0", "F1", "I0", "W0", "I1", "W1"),
+                           stage=1, loss=None, weight_grad_store=store)
     xs = [torch.randn(4, 16, device="cuda", requires_grad=True) for _ in range(2)]
     grads = [torch.randn(4, 8, device="cuda") for _ in range(2)]
     for micro_batch in (0, 1):
@@ -146,7 +185,7 @@ def test_split_backward_replays_equal_eager_input_and_weight_gradients():
 def test_replays_add_the_parameter_gradients_into_grad_in_place(split):
     """With accumulators, each replayed backward adds its parameter gradients into ``.grad`` (an accumulator's alias,
     the same memory the whole time), in eager's order, onto what the caller left there before the capture; a frozen
-    parameter gets none. Three micro-batches through two slots, the third reusing the first slot."""
+    parameter gets none. Three micro-batches, two in flight."""
     torch.manual_seed(0)
     module = Twice().cuda()
     reference = copy.deepcopy(module)
@@ -154,7 +193,10 @@ def test_replays_add_the_parameter_gradients_into_grad_in_place(split):
     store = WeightGradStore() if split else None
     if split:
         defer_linear_weight_grads([module], store)
-    graphed = GraphedStage(module, GradientSink(params, main_grad=False), slots=2, stage=1, loss=None,
+    kinds = ("I", "W") if split else ("B",)
+    passes = [("F", 0), ("F", 1), *((kind, 0) for kind in kinds), ("F", 2),
+              *((kind, m) for m in (1, 2) for kind in kinds)]
+    graphed = GraphedStage(module, GradientSink(params, main_grad=False), passes, stage=1, loss=None,
                            weight_grad_store=store, accumulators=GradientAccumulators())
     module.out.bias.grad = torch.ones(8, device="cuda")  # an earlier step's, not zeroed
     reference.out.bias.grad = torch.ones(8, device="cuda")
@@ -189,40 +231,76 @@ def test_replays_add_the_parameter_gradients_into_grad_in_place(split):
         torch.testing.assert_close(param.grad, ref.grad)
 
 
-def _graph_memory(accumulate: bool, slots: int) -> tuple[int, int]:
-    """Device memory a graphed stage of 16 Linear(2048, 2048) holds after each slot's forward and backward
-    replayed once, beyond its parameters, and its gradients' bytes."""
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved()
-    module = nn.Sequential(*(nn.Linear(2048, 2048, bias=False) for _ in range(16))).cuda()
-    gradient_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    graphed = GraphedStage(module, GradientSink(list(module.parameters()), main_grad=False), slots=slots, stage=1,
-                           loss=None, accumulators=GradientAccumulators() if accumulate else None)
-    for micro_batch in range(slots):
-        graphed.forward(micro_batch, (torch.randn(4, 2048, device="cuda", requires_grad=True),), ())
-    for micro_batch in range(slots):
-        graphed.backward(micro_batch, (torch.randn(4, 2048, device="cuda"),))
+def _held_bytes(passes: list[tuple[str, int]], graphed: bool) -> tuple[int, int]:
+    """Device memory a stage of 8 Linear(1024, 1024) + GELU blocks holds for its micro-batches (4096 rows, 32 MB of
+    saved activations per block) over ``passes`` beyond its parameters and gradients: eager, its peak allocated;
+    graphed, its graphs' pool after a capture and a replayed step; and the graphed stage's landing buffers."""
+    torch.manual_seed(0)
+    module = nn.Sequential(*(nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8))).cuda()
+    params = list(module.parameters())
+    store = WeightGradStore() if any(kind == "I" for kind, _ in passes) else None
+    if store:
+        defer_linear_weight_grads([module], store)
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    grad = torch.randn(4096, 1024, device="cuda")
+
+    def received():  # as a channel hands it over, for the forward alone
+        return torch.randn(4096, 1024, device="cuda", requires_grad=True)
+
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # the warm-up's cached blocks: what stays is the pools', the outputs' and .grad's
-    held = torch.cuda.memory_reserved() - before - gradient_bytes  # the parameters are as large as their gradients
-    del graphed, module
-    return held, gradient_bytes
+    torch.cuda.empty_cache()
+    if not graphed:
+        sink = GradientSink(params, main_grad=False)
+        runner = EagerStage(module, sink, 1, None, store, rank=0)
+        runner.start(True)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for kind, m in passes:
+            if kind == "F":
+                x = received()
+                runner.forward(m, (x,), {}, [x], ())
+                runner.outputs_sent(m)
+                del x
+            elif kind == "W":
+                runner.backward_weight(m)
+            else:
+                runner.micro_batches[m].output_grads = (grad,)
+                (runner.backward if kind == "B" else runner.backward_input)(m)
+                runner.take_input_grads(m)  # sent
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, 0
+    reserved = torch.cuda.memory_reserved()
+    stage = GraphedStage(module, GradientSink(params, main_grad=False), passes, stage=1, loss=None,
+                         weight_grad_store=store, accumulators=GradientAccumulators())
+    for kind, m in passes:
+        if kind == "F":
+            stage.forward(m, (received(),), ())
+        elif kind == "W":
+            stage.backward_weights(m)
+        else:
+            stage.backward(m, (grad,))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the warm-up's cached blocks
+    pools = sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+                if tuple(segment["segment_pool_id"]) != (0, 0))
+    landing = sum(t.nbytes for t in [*stage._inputs.tensors, *stage._outputs, *stage._grad_outputs,
+                                     *(t for t in stage._input_grads if t is not None)])
+    assert torch.cuda.memory_reserved() - reserved >= pools + landing
+    return pools, landing
 
 
 @needs_cuda
-def test_accumulating_graphs_hold_no_set_of_gradients_per_slot():
-    """Returned, each slot's backward keeps a whole set of the stage's gradients; added into accumulators, the stage
-    holds one set (the accumulators, as eager holds .grad) and the backward's working memory."""
-    returned, gradient_bytes = _graph_memory(accumulate=False, slots=2)
-    accumulated, _ = _graph_memory(accumulate=True, slots=2)
-    assert returned >= 2 * gradient_bytes, returned / 2**20
-    assert accumulated <= returned - 0.75 * gradient_bytes, (accumulated / 2**20, returned / 2**20)
-
-
-@needs_cuda
-def test_the_slots_backwards_share_their_working_memory():
-    """Three slots hold what one does and two more forwards' activations (a few MB here), not two more backwards'
-    working memory (a 16 MB weight gradient each, at least)."""
-    one, gradient_bytes = _graph_memory(accumulate=True, slots=1)
-    three, _ = _graph_memory(accumulate=True, slots=3)
-    assert three - one < gradient_bytes / 16, ((three - one) / 2**20, one / 2**20)
+@pytest.mark.parametrize("passes", [
+    _passes("F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"),
+    _passes("F0", "F1", "F2", "I0", "F3", "W0", "I1", "W1", "I2", "I3", "W2", "W3"),
+], ids=["whole backward", "I and W"])
+def test_the_graphs_hold_what_eager_holds_at_its_peak(passes):
+    """One pool for the stage's passes, captured in their order, holds what eager holds at its peak: activations
+    freed at a micro-batch's backward (at its I, but for W's operands) are reused by later passes. A pool per
+    micro-batch in flight held each one's activations until its last pass, and its own transients. Beside the pool,
+    the stage's landing buffers: an input, an output, their gradients (16 MB each here)."""
+    eager, _ = _held_bytes(passes, graphed=False)
+    graphed, landing = _held_bytes(passes, graphed=True)
+    assert graphed <= 1.05 * eager, (graphed / 2**20, eager / 2**20)
+    assert landing == 4 * (16 << 20)

@@ -258,7 +258,7 @@ def test_only_outputs_nothing_else_holds_are_freed():
     alone = summed * 2  # saved by nothing, no view of it
     view = summed[:2]  # holds summed's memory: freeing summed would give back nothing
     outputs = [alone, h, recomputed, view, x, summed, alone]  # a view, a leaf, one output twice
-    freeable = stage_runner._held_only_by_themselves(outputs)
+    freeable = stage_runner.held_only_by_themselves(outputs)
     assert sent(outputs, freeable) == [True, False, False, False, False, False, True]
     torch.testing.assert_close(view, (product + 1)[:2])
     sine.sum().backward()  # reads the kept input
@@ -272,8 +272,8 @@ def test_nothing_is_freed_under_the_callers_saved_tensor_hooks():
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor):
         output = x * 2
         output.sin()  # saves its input, the output, as the hook returned it
-        assert stage_runner._held_only_by_themselves([output]) == []
-    assert stage_runner._held_only_by_themselves([x * 2]) != []
+        assert stage_runner.held_only_by_themselves([output]) == []
+    assert stage_runner.held_only_by_themselves([x * 2]) != []
 
 
 def test_an_output_a_compiled_region_saved_is_kept():
@@ -281,7 +281,7 @@ def test_an_output_a_compiled_region_saved_is_kept():
     region = torch.compile(lambda t: torch.tanh(t) * 2, backend="aot_eager")
     output = region(x)
     others = torch.compile(lambda t: torch.tanh(t), backend="aot_eager")(x)  # saves its output for tanh's backward
-    assert sent([output, others], stage_runner._held_only_by_themselves([output, others])) == [True, False]
+    assert sent([output, others], stage_runner.held_only_by_themselves([output, others])) == [True, False]
 
 
 # -- what crosses a boundary --------------------------------------------------------------------

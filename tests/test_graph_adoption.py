@@ -26,14 +26,23 @@ class EagerGraphs:
 
     fail_capture = False  # set by a test: the next capture raises
 
-    def __init__(self, module, sink, slots, stage, loss, weight_grad_store=None, checked=False, accumulators=None):
+    def __init__(self, module, sink, passes, stage, loss, weight_grad_store=None, checked=False, accumulators=None):
         self.module, self.params, self.loss, self.stage = module, sink.params, loss, stage
+        self.passes, self._next = list(passes), 0  # replays must follow the captured order, as real graphs' must
         self.accumulators = accumulators if sink.autograd_accumulates else None
         self.accumulated, self._adding_into = [], []
         self.output_layout = None
         self.captured = False
         self._signature = None
         self._held = {}
+
+    def new_step(self):
+        self._next = 0
+
+    def _follow(self, kind, micro_batch):
+        position = self.passes.index((kind, micro_batch))
+        assert position >= self._next, f"{kind}{micro_batch} replayed out of the captured order {self.passes}"
+        self._next = position + 1
 
     def mismatch(self, inputs, targets):
         return signature_difference(signature(inputs, targets), self._signature)
@@ -44,8 +53,8 @@ class EagerGraphs:
                 raise RuntimeError("operation not permitted when stream is capturing")
             if self.accumulators:
                 with self.accumulators.capturing(self.params):
-                    outputs = self.replay_fitting(micro_batch, inputs, targets)
-                    self.backward(micro_batch, tuple(torch.ones_like(t) for t in outputs))
+                    outputs = self._forward(micro_batch, inputs, targets)
+                    self._backward(micro_batch, tuple(torch.ones_like(t) for t in outputs))
                     self.accumulated = self.accumulators.adopt_reached(self.stage, self.params)
                 self._adding_into = self.accumulators.tensors(self.accumulated)  # as a capture bakes in addresses
             self.captured = True
@@ -53,6 +62,10 @@ class EagerGraphs:
         return self.replay_fitting(micro_batch, inputs, targets)
 
     def replay_fitting(self, micro_batch, inputs, targets):
+        self._follow("F", micro_batch)
+        return self._forward(micro_batch, inputs, targets)
+
+    def _forward(self, micro_batch, inputs, targets):
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs.tensors]
         args, kwargs = boundary.unflatten(leaves, inputs.layout)
         output = self.module(*args, **kwargs)
@@ -64,6 +77,10 @@ class EagerGraphs:
         return tuple(t.detach().requires_grad_(t.requires_grad) for t in flat.tensors)
 
     def backward(self, micro_batch, grads):
+        self._follow("I" if ("I", micro_batch) in self.passes else "B", micro_batch)
+        return self._backward(micro_batch, grads)
+
+    def _backward(self, micro_batch, grads):
         outputs, leaves = self._held.pop(micro_batch)
         grads = grads or tuple(torch.ones_like(t) for t in outputs)
         wanted = [t for t in leaves if t.requires_grad] + [p for p in self.params if p.requires_grad]
@@ -83,6 +100,7 @@ class EagerGraphs:
         return input_grads, None
 
     def backward_weights(self, micro_batch):
+        self._follow("W", micro_batch)
         # The "I" replay above computed every gradient: no Linear deferred.
         return None if self.accumulators else [None] * len(self.params)
 
@@ -189,12 +207,12 @@ def test_a_short_batch_runs_eagerly_and_two_in_a_row_start_the_watch_again(adopt
 
 
 def test_no_capture_where_its_memory_would_not_fit(adoption, monkeypatch):
-    # 212 parameters (848 bytes of gradients) and a forward that keeps 1 MiB: one slot (1F1B on one stage) and the
-    # eager warm-up make (1 + 1) x (1 MiB + 848 B) = 2.1 MB, over 0.8 of the 2 MB left here.
+    # 212 parameters (848 bytes of gradients) and a forward that keeps 1 MiB: one micro-batch in flight (1F1B on one
+    # stage) and the eager warm-up make (1 + 1) x (1 MiB + 848 B) = 2.1 MB, over 0.8 of the 2 MB left here.
     monkeypatch.setattr(graph_runner, "_free_bytes", lambda params: 2e6)
     states = _train(4, [HOST_BOUND])
-    assert states == ["watching"] + ["eager: its CUDA graphs would need about 0.0021 GB (a slot per micro-batch in "
-                                     "flight: 1) and the device has 0.002 GB left"] * 3
+    assert states == ["watching"] + ["eager: its CUDA graphs would need about 0.0021 GB (micro-batches in flight at "
+                                         "most: 1) and the device has 0.002 GB left"] * 3
 
 
 def test_a_failed_capture_leaves_the_stage_eager_with_one_warning(adoption):

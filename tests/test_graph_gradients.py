@@ -112,33 +112,38 @@ class _EagerReplay:
         self.replay = run
 
 
-def _eager_slot(module, x, accumulator_of, stale=False):
-    """A slot of ``module`` on input ``x`` whose backward adds into the accumulators (``stale``: the weight's gradient
-    scaled by a factor the capture would have baked in, the outputs and input gradients right)."""
-    from pipecomm.runtime.cuda_graphs import _Slot  # the check's own slot type
-    output, grad_output = torch.zeros(2, 3, requires_grad=True), torch.zeros(2, 3)  # as a captured output
-    input_grad = torch.zeros_like(x)
+def _eager_graphs(graphed, module, accumulator_of, stale_micro_batch):
+    """Stand-ins for the captured passes of ``graphed`` (a Linear's stage, whole backwards): each reads and writes the
+    landing buffers as a graph does, its backward adding into the accumulators; ``stale_micro_batch``'s backward
+    scales the weight's gradient by a factor a capture could have baked in (its outputs and input gradient right)."""
+    saved = {}
 
-    @torch.no_grad()
-    def forward():
-        output.copy_(module(x))
+    def forward(micro_batch):
+        @torch.no_grad()
+        def run():
+            saved[micro_batch] = graphed._inputs.tensors[0].clone()  # its copy of the inputs, in the pool
+            graphed._outputs[0].copy_(module(saved[micro_batch]))
+        return run
 
-    def backward():
-        leaf = x.clone().requires_grad_()
-        grads = torch.autograd.grad(module(leaf), [leaf, module.weight, module.bias], grad_output)
-        input_grad.copy_(grads[0])
-        accumulator_of(module.weight).add_(grads[1], alpha=1.5 if stale else 1.0)
-        accumulator_of(module.bias).add_(grads[2])
+    def backward(micro_batch):
+        def run():
+            leaf = saved.pop(micro_batch).requires_grad_()
+            grads = torch.autograd.grad(module(leaf), [leaf, module.weight, module.bias], graphed._grad_outputs[0])
+            graphed._input_grads[0].copy_(grads[0])
+            accumulator_of(module.weight).add_(grads[1], alpha=1.5 if micro_batch == stale_micro_batch else 1.0)
+            accumulator_of(module.bias).add_(grads[2])
+        return run
 
-    return _Slot(None, None, [output], [grad_output], _EagerReplay(forward), _EagerReplay(backward), [input_grad], None)
+    return {(kind, m): _EagerReplay((forward if kind == "F" else backward)(m)) for kind, m in graphed.passes}
 
 
-@pytest.mark.parametrize("stale_slot", [None, 0, 1])
-def test_the_check_finds_a_slot_off_eager_without_copying_the_gradients(monkeypatch, stale_slot):
-    """The check of replays that add into accumulators: the first slot with the probe negated, each later one with
-    the probe and the first negated again, must leave the accumulators about zero; a slot computing with a stale
-    weight, first or later, is found."""
-    from pipecomm.runtime import cuda_graphs
+@pytest.mark.parametrize("micro_batches", [2, 3])
+@pytest.mark.parametrize("stale", [None, 0, "last"])
+def test_the_check_finds_a_pass_off_eager_without_copying_the_gradients(monkeypatch, micro_batches, stale):
+    """The check of replays that add into accumulators, in the captured order: micro-batches take the probe negated
+    and not by turns, and the accumulators must be about zero after each negated one; with an even count a second
+    round checks the last. A micro-batch computing with a stale weight, first or last, is found; right ones pass."""
+    from pipecomm.runtime import boundary, cuda_graphs
     from pipecomm.runtime.gradient_sink import GradientSink
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: None)
     torch.manual_seed(0)
@@ -146,28 +151,33 @@ def test_the_check_finds_a_slot_off_eager_without_copying_the_gradients(monkeypa
     params = list(module.parameters())
     accumulators = _adopted(params, stage=1)
     by_id = dict(zip(map(id, params), accumulators.tensors(params)))
-
-    def accumulator_of(param):
-        return by_id[id(param)]
-
-    graphed = cuda_graphs.GraphedStage(module, GradientSink(params, main_grad=False), slots=2, stage=1, loss=None,
+    passes = [("F", 0), ("F", 1), ("B", 0)]
+    passes += [step for m in range(2, micro_batches) for step in (("F", m), ("B", m - 1))]
+    passes.append(("B", micro_batches - 1))
+    graphed = cuda_graphs.GraphedStage(module, GradientSink(params, main_grad=False), passes, stage=1, loss=None,
                                        checked=True, accumulators=accumulators)
     graphed.accumulated = params
     x = torch.randn(2, 4)
+    graphed._inputs = boundary.flatten(x.clone())
+    graphed._outputs, graphed._output_requires_grad = [torch.zeros(2, 3)], [True]
+    graphed._grad_outputs, graphed._input_grads = [torch.zeros(2, 3)], [torch.zeros(2, 4)]
     # The eager run: R in the accumulators, the reference the warm-up keeps.
     leaf = x.clone().requires_grad_()
     output = module(leaf)
-    probe = graphed._probe([output])[0]
-    grads = torch.autograd.grad(output, [leaf, *params], probe)
+    grads = torch.autograd.grad(output, [leaf, *params], graphed._probe([output])[0])
     for param, grad in zip(params, grads[1:]):
-        accumulator_of(param).copy_(grad)
-    reference = ([output.detach()], [grads[0]], cuda_graphs._largest_entries(accumulators.tensors(params)), [])
-    graphed._slots = [_eager_slot(module, x, accumulator_of, stale=index == stale_slot) for index in range(2)]
-    if stale_slot is None:
-        graphed._check_replays(reference, torch.zeros(1), torch.device("cpu"))
-        assert all(t.abs().max() < 1e-6 for t in accumulators.tensors(params))
-        graphed.backward(0, None)  # the loss's own gradient, whatever probe the check left in the slot
-        assert torch.equal(graphed._slots[0].grad_outputs[0], torch.ones(2, 3))
+        by_id[id(param)].copy_(grad)
+    reference = cuda_graphs._Reference(
+        [output.detach()], [grads[0]], None, None, {id(p): by_id[id(p)].abs().max() for p in params},
+        {id(p): {"input"} for p in params}, [None] * 3)
+    stale_micro_batch = micro_batches - 1 if stale == "last" else stale
+    graphed._graphs = _eager_graphs(graphed, module, lambda param: by_id[id(param)], stale_micro_batch)
+    if stale_micro_batch is None:
+        graphed._check_replays(reference, torch.device("cpu"))
+        graphed.new_step()
+        graphed._launch("F", 0)
+        graphed.backward(0, None)  # the loss's own gradient, whatever probe the check left in the landing buffer
+        assert torch.equal(graphed._grad_outputs[0], torch.ones(2, 3))
     else:
-        with pytest.raises(cuda_graphs.GraphCheckError, match=f"slot {stale_slot} differs.*parameter gradient 0"):
-            graphed._check_replays(reference, torch.zeros(1), torch.device("cpu"))
+        with pytest.raises(cuda_graphs.GraphCheckError, match="parameter gradients the replays added up to the B pass"):
+            graphed._check_replays(reference, torch.device("cpu"))

@@ -217,7 +217,7 @@ def test_sent_outputs_are_freed_only_where_no_recomputation_reads_them(recompute
     undo = checkpoint_stages([stage], recompute)
     x = torch.randn(BATCH, HIDDEN, requires_grad=True)
     outputs = list(stage(x))
-    freeable = stage_runner._held_only_by_themselves(outputs)
+    freeable = stage_runner.held_only_by_themselves(outputs)
     pointers = [output.untyped_storage().data_ptr() for output in outputs]
     stage_runner.free_data(freeable)
     freed = [output.untyped_storage().data_ptr() != pointer for output, pointer in zip(outputs, pointers)]

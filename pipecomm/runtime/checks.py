@@ -77,8 +77,8 @@ def check_options(device: torch.device, *, auto: bool, sharded: bool, cuda_graph
                          "offload=True, which plans for the schedule auto settles on")
     if auto and cuda_graphs:
         raise ValueError('Pipeline: schedule="auto" changes the schedule after its measured steps, and with '
-                         "it how many micro-batches each stage holds, which cuda_graphs=True fixes at the first "
-                         "step; plan first (pipecomm.plan_schedule) and pass the Schedule")
+                         "it the order of each stage's passes, which cuda_graphs=True captures at the first step; "
+                         "plan first (pipecomm.plan_schedule) and pass the Schedule")
     for flag, value in (("cuda_graphs", cuda_graphs), ("device_timing", device_timing)):
         if value and device.type != "cuda":
             raise ValueError(f"Pipeline: {flag}=True needs stages on a CUDA device, not {device}")

@@ -1,29 +1,32 @@
-"""CUDA-graph capture of a stage's forward and backward: one graph launch per action instead of one launch per kernel.
+"""CUDA-graph capture of a stage's passes: one graph per micro-batch and pass, replayed in the schedule's order.
 
-A small model's stage is bound by the host launching its kernels one by one. With static shapes,
-each stage's forward (with the loss, on the last stage) and backward are captured once and then
-replayed. A graph's activations live in its own memory, so a stage gets one pair of graphs per
-micro-batch it can hold in flight (the schedule says how many), used round-robin.
+A small model's stage is bound by the host launching its kernels one by one. With static shapes, each pass the stage
+runs in a step (its forward, with the loss on the last stage, and its backward, or the backward's I and W parts) is
+captured once per micro-batch, in the order the schedule runs them on this rank, into one memory pool, and replayed in
+that order every step. Each capture meets the allocator as eager would at that point of the step, so the pool holds
+what eager holds at its peak: a micro-batch's activations are freed at its backward (at its I, but for W's operands)
+and later passes reuse them. That is also why the order is enforced: a replay out of it would write over memory that a
+later pass reads. Skipping passes (a micro-batch run eagerly) is safe: a skipped pass writes nothing.
 
-Each slot's forward has a memory pool of its own, since its activations must outlive other slots' replays. The
-slots' whole backwards (not split into I and W) share one pool: a backward leaves nothing there that outlives it but
-its input gradients, which are copied out before any other replay, so its working memory is the stage's once, not
-once per slot. Split backwards stay in their slot's pool: I leaves the layers' output gradients there for W.
+Tensors cross a graph's edge through one set of landing buffers per stage (inputs, targets, outputs, output gradients,
+input gradients), copied into before a replay and out of after it; inside the graph a micro-batch's inputs are copied
+into the pool, where its backward finds them.
 
-Where the parameters' gradients go to ``.grad``, the captured backward adds them in place into
-``graph_gradients``' accumulators, so that no slot's pool holds a set of gradients; with ``main_grad`` buffers it
-returns them for the caller to add.
+Where the parameters' gradients go to ``.grad``, the captured backward adds them in place into ``graph_gradients``'
+accumulators; with ``main_grad`` buffers it writes them into landing buffers, for the caller to add.
 
 A replay reads what the capture saw: the tensors' addresses and every Python value the forward read then. So a
-capture can be checked (``checked=True``: each slot's first replay against an eager run of the same micro-batch, the
-same random numbers, gradients probed with the same noise), and ``changed_since_capture`` names what the graphs can no
-longer see (parameters moved or frozen, modules switched between train and eval, autocast turned on or off).
+capture can be checked (``checked=True``: every captured pass replayed on the capture's micro-batch against an eager
+run of it, with the same random numbers and the same probe gradients), and ``changed_since_capture`` names what the
+graphs can no longer see (parameters moved or frozen, modules switched between train and eval, autocast turned on or
+off).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -34,67 +37,86 @@ from pipecomm.runtime.capture_state import CaptureState
 from pipecomm.runtime.checks import gradient_hook
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.graph_gradients import GradientAccumulators
-from pipecomm.schedules.schedule import Schedule
 from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported, weight_grad
-from pipecomm.runtime.stage_runner import run_backward
+from pipecomm.runtime.stage_runner import free_data, held_only_by_themselves, run_backward
+from pipecomm.schedules.schedule import Schedule
 
 __all__: list[str] = []
 
-_WARMUP_ITERATIONS = 2  # eager runs on a side stream before capture, so lazy initialisation stays out of the graph
+_WARMUP_ITERATIONS = 2  # eager runs on a side stream before capture, so lazy initialisation stays out of the graphs
 # A replay checked against eager may differ by the atomics' order in some backward kernels (attention's, index_add's):
 # largest difference allowed, relative to the eager tensor's largest entry. Stale values from a capture differ by far
 # more.
 _CHECK_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 2e-2}
 _CHECK_TOLERANCE_DEFAULT = 1e-3
+_PASSES = ("F", "B", "I", "W")
+_STATE_OF = {"F": 0, "B": 1, "I": 1, "W": 2}  # which of a reference run's random states a pass began at
 
 
 class GraphCheckError(RuntimeError):
     """A captured graph's first replay differed from an eager run of the same micro-batch."""
 
 
-def in_flight_slots(schedule: Schedule, rank: int, stage: int) -> int:
-    """How many micro-batches ``stage`` holds between its forward and its last backward pass (B, or W where the
-    backward is split) at most; checks that each kind of pass runs the micro-batches in forward order."""
-    order = [action.micro_batch for action in schedule.actions[rank] if action.stage == stage and action.kind == "F"]
-    for kind in ("B", "I", "W"):
-        runs = [action.micro_batch for action in schedule.actions[rank] if action.stage == stage and action.kind == kind]
-        if runs and runs != order:
-            raise ValueError(f"cuda_graphs: schedule {schedule.name!r} runs stage {stage}'s {kind} passes out of "
-                             "forward order, which round-robin graph slots cannot follow")
+def stage_passes(schedule: Schedule, rank: int, stage: int) -> tuple[tuple[str, int], ...]:
+    """The stage's compute passes on ``rank`` in the schedule's order, as (kind, micro-batch): what its graphs are.
+    Raises where a stage's backwards are whole for some micro-batches and split for others."""
+    passes = tuple((action.kind, action.micro_batch) for action in schedule.actions[rank]
+                   if action.stage == stage and action.kind in _PASSES)
+    kinds = {kind for kind, _ in passes}
+    if "B" in kinds and "I" in kinds:
+        raise ValueError(f"cuda_graphs: schedule {schedule.name!r} runs stage {stage}'s backward whole for some "
+                         "micro-batches and split for others, which its graphs do not follow")
+    return passes
+
+
+def in_flight(passes: Sequence[tuple[str, int]]) -> int:
+    """The most micro-batches ``passes`` hold at once, from a forward to the last pass of its backward (B, or W)."""
     held = most = 0
-    for action in schedule.actions[rank]:
-        if action.stage == stage and action.kind in ("F", "B", "W"):
-            held += 1 if action.kind == "F" else -1
+    for kind, _ in passes:
+        if kind in ("F", "B", "W"):
+            held += 1 if kind == "F" else -1
             most = max(most, held)
     return most
 
 
-class _Slot:
-    """One captured forward and its backward (one graph, or I and W) and the static tensors they read and write."""
+@dataclass
+class _Captured:
+    """What a micro-batch's captured forward leaves for its backward's capture (tensors in the pool)."""
 
-    def __init__(self, inputs: boundary.Flat, targets: boundary.Flat, outputs: list, grad_outputs: list,
-                 forward: torch.cuda.CUDAGraph, backward: torch.cuda.CUDAGraph, input_grads: list, param_grads: list,
-                 weights: torch.cuda.CUDAGraph | None = None, weight_grads: list | None = None):
-        self.inputs, self.targets, self.outputs = inputs, targets, outputs
-        self.grad_outputs, self.forward, self.backward = grad_outputs, forward, backward
-        self.input_grads, self.param_grads = input_grads, param_grads
-        self.weights, self.weight_grads = weights, weight_grads
+    inputs: list[torch.Tensor]  # the micro-batch's copies of the inputs, leaves
+    outputs: list[torch.Tensor]
+    deferrals: list[Deferral] | None
+    deferred: list[DeferredGrad] = field(default_factory=list)  # I's operands for W
+
+
+@dataclass
+class _Reference:
+    """An eager run of the capture's micro-batch, for the check: its results and the random states its passes began
+    at (forward, backward or I, W)."""
+
+    outputs: list
+    input_grads: list
+    param_grads: list | None  # returned ones (B or I), where there are no accumulators
+    weight_grads: list | None  # returned ones of W
+    largest: dict[int, torch.Tensor]  # with accumulators: each non-empty one's largest entry, by parameter id
+    parts: dict[int, set[str]]  # with accumulators: which passes add into each parameter's ("input", "weight")
+    states: list[torch.Tensor]
 
 
 class GraphedStage:
-    """A stage module whose forward and backward replay CUDA graphs captured at the first forward.
+    """A stage module whose passes replay CUDA graphs, one per micro-batch and pass of ``passes`` (``stage_passes``),
+    captured at the first forward and replayed in that order.
 
-    With a ``weight_grad_store`` (zero-bubble schedules, whose Linear layers defer to it) the backward is
-    captured as two graphs, as the eager executor splits it: I (input gradients and every parameter's
-    gradient but the deferred Linear weight GEMMs') and W (those GEMMs, from the layer's input and output
-    gradient that I left in the slot).
+    Split backwards (I passes; the stage's Linear layers defer to ``weight_grad_store``) are captured as the eager
+    executor splits them: I (input gradients and every parameter's gradient but the deferred Linear weight GEMMs') and
+    W (those GEMMs, from the layer's input and output gradient that I left in the pool).
 
     With ``accumulators`` (used where the ``sink`` accumulates in ``.grad``), the backward graphs add the parameters'
     gradients into them; otherwise they return the gradients, for the caller to add.
     """
 
-    def __init__(self, module: nn.Module, sink: GradientSink, slots: int, stage: int, loss: Callable | None,
-                 weight_grad_store: WeightGradStore | None = None, checked: bool = False,
+    def __init__(self, module: nn.Module, sink: GradientSink, passes: Sequence[tuple[str, int]], stage: int,
+                 loss: Callable | None, weight_grad_store: WeightGradStore | None = None, checked: bool = False,
                  accumulators: GradientAccumulators | None = None):
         self.module = module
         self.sink = sink
@@ -102,29 +124,48 @@ class GraphedStage:
         self.accumulators = accumulators if sink.autograd_accumulates else None
         self.accumulated: list[nn.Parameter] = []  # the parameters whose gradients the graphs add into accumulators
         self.stage = stage
-        self.num_slots = slots
+        self.passes = tuple(passes)
+        self._position = {step: index for index, step in enumerate(self.passes)}
+        self.split = any(kind == "I" for kind, _ in self.passes)
+        if len(self._position) < len(self.passes) or (self.split and weight_grad_store is None):
+            raise ValueError(f"cuda_graphs: stage {stage}'s passes {self.passes} repeat one, or split a backward "
+                             "without a weight-gradient store")
         self.loss = loss  # (output, *targets) -> scaled loss, on the last stage
-        self.store = weight_grad_store
+        self.store = weight_grad_store if self.split else None
         self.checked = checked
         self.output_layout: boundary.Layout | None = None  # the output structure without its tensors, from the capture
         self._seen: CaptureState | None = None  # what the replays read beside their inputs, as the capture saw it
         self._signature: tuple = ()  # of the micro-batch the graphs were captured for (``signature``)
-        self._slots: list[_Slot] = []
-        self._backward_pool: tuple | None = None  # the slots' whole backwards share it
+        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self._next = 0  # the earliest position in ``passes`` the next replay may take in this step
+        # Landing buffers, one set per stage.
+        self._inputs: boundary.Flat | None = None
+        self._targets: boundary.Flat | None = None
+        self._differentiable: list[bool] = []  # per input tensor: whether its copy requires grad
+        self._outputs: list[torch.Tensor] = []
+        self._output_requires_grad: list[bool] = []
+        self._grad_outputs: list[torch.Tensor] = []  # one per output that requires grad
+        self._input_grads: list[torch.Tensor | None] = []  # per input tensor
+        self._param_grads: list[torch.Tensor | None] = []  # per parameter, without accumulators
+        self._returned: dict[str, list[bool]] = {}  # per backward kind: the parameters it returns gradients of
 
     @property
     def captured(self) -> bool:
-        return bool(self._slots)
+        return bool(self._graphs)
+
+    def new_step(self) -> None:
+        """A step begins: its replays start from the first pass again."""
+        self._next = 0
 
     def forward(self, micro_batch: int, args: tuple, targets: tuple, kwargs: dict | None = None) -> tuple:
-        """Replays the slot's forward on copies of the inputs (any pytrees); returns the output's tensors (the
-        1-tuple of the loss on the last stage): the slot's static outputs, detached, requiring grad where the
-        captured outputs do. ``output_layout`` makes them the output structure again. Captures at the first call."""
+        """Replays the micro-batch's forward on copies of the inputs (any pytrees); returns copies of the output's
+        tensors (the 1-tuple of the loss on the last stage), requiring grad where the captured outputs do.
+        ``output_layout`` makes them the output structure again. Captures at the first call."""
         return self.replay(micro_batch, boundary.flatten((args, kwargs or {})), boundary.flatten(targets))
 
     def replay(self, micro_batch: int, inputs: boundary.Flat, targets: boundary.Flat) -> tuple:
         """``forward`` on inputs and targets already taken apart."""
-        if not self._slots:
+        if not self._graphs:
             self._capture(inputs, targets)
         mismatch = self.mismatch(inputs, targets)
         if mismatch:
@@ -134,11 +175,10 @@ class GraphedStage:
 
     def replay_fitting(self, micro_batch: int, inputs: boundary.Flat, targets: boundary.Flat) -> tuple:
         """``replay`` of a micro-batch known to fit the captured graphs (``mismatch`` said None)."""
-        slot = self._slots[micro_batch % self.num_slots]
-        _copy_in(slot.inputs, inputs)
-        _copy_in(slot.targets, targets)
-        slot.forward.replay()
-        return tuple(t.detach().requires_grad_(t.requires_grad) for t in slot.outputs)
+        _copy_in(self._inputs, inputs)
+        _copy_in(self._targets, targets)
+        self._launch("F", micro_batch)
+        return tuple(t.clone().requires_grad_(wanted) for t, wanted in zip(self._outputs, self._output_requires_grad))
 
     def mismatch(self, inputs: boundary.Flat, targets: boundary.Flat) -> str | None:
         """How a micro-batch's inputs or targets differ from those the graphs were captured with, or None."""
@@ -152,29 +192,44 @@ class GraphedStage:
             return None
         return f"stage {self.stage}'s {', '.join(changed)} changed since the CUDA graphs were captured"
 
-    def backward(self, micro_batch: int, grads: tuple | None) -> tuple[list, list]:
-        """Replays the slot's backward for the outputs' ``grads`` (None: the loss's own, 1); returns
-        the static (input grads, parameter grads), one entry per input tensor and per stage parameter (None
+    def backward(self, micro_batch: int, grads: tuple | None) -> tuple[list, list | None]:
+        """Replays the micro-batch's backward (or its I) for the outputs' ``grads`` (None: the loss's own, 1); returns
+        (input grads, parameter grads): the landing buffers, one entry per input tensor and per stage parameter (None
         where there is no gradient); the parameter grads are None where the graphs add them into accumulators. Valid
-        until the next backward replay of any slot."""
-        slot = self._slots[micro_batch % self.num_slots]
+        until the stage's next backward replay."""
         if grads is None:
-            for static in slot.grad_outputs:
-                static.fill_(1.0)  # set each time: the capture's check leaves other probes there
-        differentiable = iter(slot.grad_outputs)
-        for output, grad in zip(slot.outputs, grads or ()):
-            if output.requires_grad:
-                static = next(differentiable)
-                static.copy_(grad) if grad is not None else static.zero_()
-        slot.backward.replay()
-        return slot.input_grads, slot.param_grads
+            for landing in self._grad_outputs:
+                landing.fill_(1.0)
+        else:
+            landings = iter(self._grad_outputs)
+            for wanted, grad in zip(self._output_requires_grad, grads):
+                if wanted:
+                    landing = next(landings)
+                    landing.copy_(grad) if grad is not None else landing.zero_()
+        kind = "I" if self.split else "B"
+        self._launch(kind, micro_batch)
+        return self._input_grads, self._returned_grads(kind)
 
-    def backward_weights(self, micro_batch: int) -> list:
-        """Replays the slot's W (after its I): the deferred weights' gradients, one entry per stage parameter (None
-        where the graphs add them into accumulators)."""
-        slot = self._slots[micro_batch % self.num_slots]
-        slot.weights.replay()
-        return slot.weight_grads
+    def backward_weights(self, micro_batch: int) -> list | None:
+        """Replays the micro-batch's W (after its I): the deferred weights' gradients, one entry per stage parameter
+        (None where the graphs add them into accumulators)."""
+        self._launch("W", micro_batch)
+        return self._returned_grads("W")
+
+    def _launch(self, kind: str, micro_batch: int) -> None:
+        position = self._position.get((kind, micro_batch))
+        if position is None or position < self._next:
+            why = ("was not captured" if position is None else
+                   "comes out of the order its graphs were captured in, and would write over memory a later pass reads")
+            raise RuntimeError(f"cuda_graphs: stage {self.stage}'s {kind} pass of micro-batch {micro_batch} {why}; "
+                               f"the captured order: {' '.join(f'{k}{m}' for k, m in self.passes)}")
+        self._next = position + 1
+        self._graphs[(kind, micro_batch)].replay()
+
+    def _returned_grads(self, kind: str) -> list | None:
+        if self.accumulators:
+            return None
+        return [grad if returned else None for grad, returned in zip(self._param_grads, self._returned[kind])]
 
     # -- capture -------------------------------------------------------------------------------
 
@@ -198,9 +253,9 @@ class GraphedStage:
         return flat.tensors
 
     def _capture(self, inputs: boundary.Flat, targets: boundary.Flat) -> None:
-        """Warm-up runs, then each slot's capture; with ``checked``, each slot's replay against the last warm-up.
+        """Warm-up runs, then every pass's capture in order; with ``checked``, their replays against the last warm-up.
         The module's buffers (batch norm's running statistics) are restored afterwards: these extra runs are no
-        training step's. On failure the current stream is restored and no slot is kept. A parameter's gradient hook
+        training step's. On failure the current stream is restored and no graph is kept. A parameter's gradient hook
         is refused: a replay would run its kernels as captured, not the hook."""
         hook = gradient_hook(self.module)
         if hook:
@@ -213,23 +268,26 @@ class GraphedStage:
             else contextlib.nullcontext()
         )
         self._signature = signature(inputs, targets)
+        self._inputs, self._targets = _static_copy(inputs), _static_copy(targets)
+        self._differentiable = [self.stage > 0 and tensor.requires_grad for tensor in inputs.tensors]
         buffers = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
         stream, random_state = torch.cuda.current_stream(device), torch.cuda.get_rng_state(device)
         accumulators = self.accumulators
         try:
             with accumulators.capturing(self.params) if accumulators else contextlib.nullcontext():
                 try:
-                    reference, warm_up_state = self._warm_up(inputs, targets, autocast, device)
-                    for _ in range(self.num_slots):
-                        self._slots.append(self._capture_slot(inputs, targets, autocast))
+                    # Warmed up on the stream the captures use, cuBLAS's workspace for it stays out of the pool.
+                    side = torch.cuda.Stream(device)
+                    reference = self._warm_up(autocast, device, side)
+                    self._capture_passes(autocast, side)
                     if self.checked:
-                        self._check_replays(reference, warm_up_state, device)
+                        self._check_replays(reference, device)
                 except BaseException:
                     if accumulators:
                         accumulators.release(self.stage)
                     raise
         except BaseException:
-            self._slots, self.accumulated = [], []
+            self._graphs, self.accumulated = {}, []
             torch.cuda.set_stream(stream)  # a failed capture leaves its own stream current
             _release_random_state(device, random_state)
             raise
@@ -237,22 +295,28 @@ class GraphedStage:
             with torch.no_grad():
                 for buffer, value in buffers:
                     buffer.copy_(value)
+        self._next = 0
         self.record_state()
 
     def record_state(self) -> None:
         """What ``changed_since_capture`` compares against: the stage's state now."""
         self._seen = CaptureState(self.module)
 
-    def _warm_up(self, inputs: boundary.Flat, targets: boundary.Flat, autocast,
-                 device) -> tuple[tuple | None, torch.Tensor]:
-        """Eager runs on a side stream; with ``checked``, the last one's results (outputs, input and parameter
-        gradients, W's) for the probe gradients, and the random state it started from. With accumulators, the first
-        run (into empty ``.grad``s) shows which parameters get gradients; those get accumulators, zeroed before each
-        later run."""
-        caller, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    def _leaves(self) -> list[torch.Tensor]:
+        """A micro-batch's copies of the landing inputs, requiring grad where received ones do (in a capture: in the
+        pool, where the micro-batch's backward reads them)."""
+        return [tensor.clone().requires_grad_(wanted) for tensor, wanted in zip(self._inputs.tensors,
+                                                                                self._differentiable)]
+
+    def _warm_up(self, autocast, device, side: torch.cuda.Stream) -> _Reference | None:
+        """Eager runs on a side stream, then the landing buffers shaped by them; with ``checked``, the last run's
+        results (outputs, input and parameter gradients, W's) for the probe gradients, and the random states its passes
+        began at. With accumulators, the first run (into empty ``.grad``s) shows which parameters get gradients, and
+        from which pass; those get accumulators, zeroed before each later run."""
+        caller = torch.cuda.current_stream(device)
         side.wait_stream(caller)
+        input_part: set[int] = set()
         with torch.cuda.stream(side), autocast:
-            static_inputs, static_targets = _static_copy(inputs, self.stage > 0), _static_copy(targets, False)
             for iteration in range(_WARMUP_ITERATIONS):
                 if self.accumulators and iteration == 1:
                     self.accumulated = self.accumulators.adopt_reached(self.stage, self.params)
@@ -261,95 +325,171 @@ class GraphedStage:
                         tensor.record_stream(caller)
                 elif self.accumulators and iteration > 1:
                     self.accumulators.zero(self.accumulated)
-                random_state = torch.cuda.get_rng_state(device)
-                deferrals = [] if self.store else None
-                outputs = self._run(static_inputs, static_targets, deferrals)
-                grads, deferred = self._input_pass(outputs, self._probe(outputs), static_inputs.tensors, deferrals)
-                weight_grads = self._weight_pass(deferred) if self.store else None
-            reference = None
-            if self.checked:
-                input_grads, param_grads = self._align(grads, static_inputs.tensors)
-                # With accumulators, the eager parameter gradients stay there for the check; kept here only their
-                # largest entries, where returned gradients are copied.
-                param_part = (_largest_entries(self.accumulators.tensors(self.accumulated)) if self.accumulators
-                              else _detached(param_grads))
-                reference = (_detached(outputs), _detached(input_grads), param_part, _detached(weight_grads or []))
-        torch.cuda.current_stream(device).wait_stream(side)
-        return reference, random_state
+                states = [torch.cuda.get_rng_state(device)]
+                leaves = self._leaves()
+                deferrals = [] if self.split else None
+                outputs = self._run(boundary.Flat(leaves, self._inputs.layout), self._targets, deferrals)
+                states.append(torch.cuda.get_rng_state(device))
+                differentiable = [t for t in outputs if t.requires_grad]
+                grads, deferred = self._input_pass(outputs, self._probe(differentiable), leaves, deferrals)
+                if iteration == 0:
+                    input_part = {id(p) for p in self.params if p.grad is not None}
+                states.append(torch.cuda.get_rng_state(device))
+                weight_grads = self._weight_pass(deferred) if self.split else None
+            input_grads, param_grads = self._align(grads, leaves)
+        caller.wait_stream(side)
+        self._outputs = [torch.empty_like(t) for t in outputs]
+        self._output_requires_grad = [t.requires_grad for t in outputs]
+        self._grad_outputs = [torch.empty_like(t) for t in differentiable]
+        self._input_grads = [None if grad is None else torch.empty_like(grad) for grad in input_grads]
+        if not self.accumulators:
+            returned = [early if early is not None else late
+                        for early, late in zip(param_grads, weight_grads or [None] * len(param_grads))]
+            self._param_grads = [None if grad is None else torch.empty_like(grad) for grad in returned]
+        if not self.checked:
+            return None
+        largest, parts = {}, {}
+        if self.accumulators:
+            weight_part = {id(weight) for weight, _, _ in deferred}
+            for param, tensor in zip(self.accumulated, self.accumulators.tensors(self.accumulated)):
+                parts[id(param)] = ({"input"} if id(param) in input_part else set()) | (
+                    {"weight"} if id(param) in weight_part else set())
+                if tensor.numel():
+                    largest[id(param)] = tensor.detach().float().abs().max()
+        return _Reference(_detached(outputs), _detached(input_grads),
+                          None if self.accumulators else _detached(param_grads),
+                          None if self.accumulators else _detached(weight_grads or []), largest, parts, states)
 
-    def _capture_slot(self, inputs: boundary.Flat, targets: boundary.Flat, autocast) -> _Slot:
-        static_inputs, static_targets = _static_copy(inputs, self.stage > 0), _static_copy(targets, False)
+    def _capture_passes(self, autocast, stream: torch.cuda.Stream) -> None:
+        """Each pass of ``passes`` captured in order into one pool; what a pass leaves for a later one stays alive in
+        ``held`` until that one's capture, and no longer, as eager would hold it."""
         pool = torch.cuda.graph_pool_handle()
-        if self.store is None and self._backward_pool is None:
-            self._backward_pool = torch.cuda.graph_pool_handle()
-        backward_pool = pool if self.store else self._backward_pool
-        forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        weights = torch.cuda.CUDAGraph() if self.store else None
-        deferrals = [] if self.store else None
+        held: dict[int, _Captured] = {}
         with autocast:
-            with torch.cuda.graph(forward, pool=pool, capture_error_mode="thread_local"):
-                outputs = self._run(static_inputs, static_targets, deferrals)
-            grad_outputs = self._probe(outputs)
-            with torch.cuda.graph(backward, pool=backward_pool, capture_error_mode="thread_local"):
-                grads, deferred = self._input_pass(outputs, grad_outputs, static_inputs.tensors, deferrals)
-            weight_grads = None
-            if weights is not None:
-                with torch.cuda.graph(weights, pool=pool, capture_error_mode="thread_local"):
-                    weight_grads = self._weight_pass(deferred)
-        input_grads, param_grads = self._align(grads, static_inputs.tensors)
-        return _Slot(static_inputs, static_targets, outputs, grad_outputs, forward, backward, input_grads,
-                     None if self.accumulators else param_grads, weights, weight_grads)
+            for kind, micro_batch in self.passes:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    if kind == "F":
+                        held[micro_batch] = self._captured_forward()
+                    elif kind == "W":
+                        self._captured_weight_pass(held.pop(micro_batch))
+                    else:
+                        self._captured_input_pass(kind, held[micro_batch] if kind == "I" else held.pop(micro_batch))
+                self._graphs[(kind, micro_batch)] = graph
+                if kind == "F":
+                    # Sent on through the landing buffers: their memory goes back to the pool, as eager frees it.
+                    free_data(held_only_by_themselves(held[micro_batch].outputs))
 
-    def _probe(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _captured_forward(self) -> _Captured:
+        leaves = self._leaves()
+        targets = self._targets._replace(tensors=[tensor.clone() for tensor in self._targets.tensors])
+        deferrals = [] if self.split else None
+        outputs = self._run(boundary.Flat(leaves, self._inputs.layout), targets, deferrals)
+        for landing, output in zip(self._outputs, outputs):
+            landing.copy_(output.detach())
+        return _Captured(leaves, outputs, deferrals)
+
+    def _captured_input_pass(self, kind: str, captured: _Captured) -> None:
+        # W may read one after the next I has been copied in: an I pass keeps its own copy.
+        grad_outputs = [landing.clone() for landing in self._grad_outputs] if kind == "I" else self._grad_outputs
+        grads, captured.deferred = self._input_pass(captured.outputs, grad_outputs, captured.inputs,
+                                                    captured.deferrals)
+        input_grads, param_grads = self._align(grads, captured.inputs)
+        _copy_found(self._input_grads, input_grads, f"stage {self.stage}'s input gradients")
+        if not self.accumulators:
+            self._returned[kind] = [grad is not None for grad in param_grads]
+            _copy_found(self._param_grads, param_grads, f"stage {self.stage}'s parameter gradients")
+        captured.inputs, captured.outputs = [], []
+
+    def _captured_weight_pass(self, captured: _Captured) -> None:
+        weight_grads = self._weight_pass(captured.deferred)
+        if not self.accumulators:
+            self._returned["W"] = [grad is not None for grad in weight_grads]
+            _copy_found(self._param_grads, weight_grads, f"stage {self.stage}'s deferred weight gradients")
+
+    def _probe(self, differentiable: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients of the differentiable outputs a warm-up and a checked replay both use: the loss's own (1), or
         the same noise for every output of a stage sent on (ones would hide a transposed or mixed-up gradient)."""
         if self.loss is not None:
-            return [torch.ones_like(t) for t in outputs if t.requires_grad]
-        generator = torch.Generator(outputs[0].device).manual_seed(0)
-        return [torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator)
-                for t in outputs if t.requires_grad]
+            return [torch.ones_like(t) for t in differentiable]
+        generator = torch.Generator(differentiable[0].device).manual_seed(0) if differentiable else None
+        return [torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator) for t in differentiable]
 
-    def _check_replays(self, reference: tuple, random_state: torch.Tensor, device: torch.device) -> None:
-        """Each slot replayed on the capture's micro-batch, from the random state the eager run started at, equals
-        that run: its outputs, input gradients, parameter gradients and W's, to the atomics' noise.
+    def _check_replays(self, reference: _Reference, device: torch.device) -> None:
+        """Every captured pass replayed in order on the capture's micro-batch, each from the random state its eager
+        twin started at, equals that run: outputs and input gradients at once, returned parameter gradients likewise.
 
         Accumulators hold the eager run's parameter gradients R, and no copy of them is made: a backward is linear in
-        its output gradient, so the first slot replayed with the probe negated leaves R - G0, and each later slot
-        replayed with the probe, then the first negated again, adds Gk - G0; each time the accumulators must be zero
-        to within the tolerance of R's largest entries."""
-        expected_outputs, expected_input_grads, expected_params, _ = reference
-        for index, slot in enumerate(self._slots):
-            sign = -1.0 if self.accumulators and index == 0 else 1.0
-            self._replay_probed(slot, random_state, device, sign)
-            input_grads = [grad if grad is None or sign > 0 else -grad for grad in slot.input_grads]
-            if self.accumulators:
-                replayed = (slot.outputs, input_grads, [], [])
-                difference = _largest_difference(replayed, (expected_outputs, expected_input_grads, [], []))
-                if not difference and index > 0:
-                    self._replay_probed(self._slots[0], random_state, device, -1.0)
-                difference = difference or _off_zero(self.accumulators.tensors(self.accumulated), expected_params)
-            else:
-                replayed = (slot.outputs, input_grads, slot.param_grads, slot.weight_grads or [])
-                difference = _largest_difference(replayed, reference)
-            if difference:
-                raise GraphCheckError(f"stage {self.stage}: the first replay of CUDA graph slot {index} differs from "
-                                      f"an eager run of the same micro-batch: {difference}")
+        its output gradient, so micro-batches take the probe negated and not by turns (-, +, -, ...) and each
+        accumulator must be about zero, relative to R's largest entry, whenever every pass adding into it has added
+        one more negated than not. A second round of replays, as far as needed, checks what the first one's last
+        passes added."""
+        signs: dict[int, float] = {}  # each micro-batch's, for its backward's passes
+        signs_given: list[int] = []
+        sums = {"input": 0, "weight": 0}  # the signs added so far by the passes adding into each part
+        to_cover = set(reference.largest)  # parameters whose accumulators no check has covered since the first round
+        for round_ in range(2 if self.accumulators else 1):
+            for position, (kind, micro_batch) in enumerate(self.passes):
+                torch.cuda.set_rng_state(reference.states[_STATE_OF[kind]], device)
+                if kind in ("B", "I"):
+                    signs[micro_batch] = -1.0 if len(signs_given) % 2 == 0 else 1.0
+                    signs_given.append(micro_batch)
+                    differentiable = [t for t, wanted in zip(self._outputs, self._output_requires_grad) if wanted]
+                    for landing, probe in zip(self._grad_outputs, self._probe(differentiable)):
+                        landing.copy_(probe.mul_(signs[micro_batch]))
+                self._graphs[(kind, micro_batch)].replay()
+                difference = self._replay_difference(kind, signs.get(micro_batch), reference) if round_ == 0 else None
+                if difference:
+                    raise GraphCheckError(f"stage {self.stage}: the first replay of the {kind} pass of micro-batch "
+                                          f"{micro_batch} differs from an eager run of the same micro-batch: "
+                                          f"{difference}")
+                if not self.accumulators or kind == "F":
+                    continue
+                where = f"{kind} pass of micro-batch {micro_batch} (round {round_ + 1})"
+                checked = self._check_accumulated("weight" if kind == "W" else "input", signs[micro_batch], sums,
+                                                  reference, where)
+                if round_ == 1 or position == len(self.passes) - 1:
+                    to_cover.difference_update(checked)
+                    if not to_cover:
+                        return
+        if to_cover:
+            raise GraphCheckError(f"stage {self.stage}: the schedule's order left {len(to_cover)} parameter gradients "
+                                  "of the CUDA graphs unchecked")
 
-    def _replay_probed(self, slot: _Slot, random_state: torch.Tensor, device: torch.device, sign: float) -> None:
-        """The slot's passes from ``random_state``, the probe gradients times ``sign`` into its backward."""
-        torch.cuda.set_rng_state(random_state, device)
-        for static, probe in zip(slot.grad_outputs, self._probe(slot.outputs)):
-            static.copy_(probe.mul_(sign))
-        slot.forward.replay()
-        slot.backward.replay()
-        if slot.weights is not None:
-            slot.weights.replay()
+    def _check_accumulated(self, part: str, sign: float, sums: dict[str, int], reference: _Reference,
+                           where: str) -> set[int]:
+        """After a replayed pass that added ``sign`` times its gradients into ``part``: the accumulators of the
+        parameters each of whose parts has added one more negated than not must be about zero; returns their ids."""
+        sums[part] += int(sign)
+        ready = [p for p in self.accumulated if id(p) in reference.largest and part in reference.parts[id(p)]
+                 and all(sums[one] == -1 for one in reference.parts[id(p)])]
+        difference = _off_zero(self.accumulators.tensors(ready), [reference.largest[id(p)] for p in ready])
+        if difference:
+            raise GraphCheckError(f"stage {self.stage}: the parameter gradients the replays added up to the {where} "
+                                  f"differ from an eager run's (the probe negated and not by turns): {difference}")
+        return set(map(id, ready))
+
+    def _replay_difference(self, kind: str, sign: float | None, reference: _Reference) -> str | None:
+        """How the landing buffers after a checked replay of a ``kind`` pass differ from the eager run (the gradients
+        times ``sign``), or None."""
+        if kind == "F":
+            return _largest_difference([("output", self._outputs, reference.outputs)])
+        if kind == "W":
+            if self.accumulators:
+                return None
+            return _largest_difference([("deferred weight gradient", _signed(self._returned_grads("W"), sign),
+                                         reference.weight_grads)])
+        compared = [("input gradient", _signed(self._input_grads, sign), reference.input_grads)]
+        if not self.accumulators:
+            compared.append(("parameter gradient", _signed(self._returned_grads(kind), sign), reference.param_grads))
+        return _largest_difference(compared)
 
     def _input_pass(self, outputs: list, grad_outputs: list, inputs: list,
                     deferrals: list[Deferral] | None) -> tuple[tuple, list[DeferredGrad]]:
         """The backward (or, with ``deferrals``, its I part): gradients of the inputs that require grad and of the
         trainable parameters (None for those added into accumulators), and what the deferring Linear layers leave to
-        W. With accumulators the inputs' gradients come through their ``.grad``, which autograd sets anew."""
+        W. Through the autograd engine as the eager stage goes, since the outputs' memory may be freed already. With
+        accumulators the inputs' gradients come through their ``.grad``, which autograd sets anew."""
         wanted_inputs = [t for t in inputs if t.requires_grad]
         params = [p for p in self.params if p.requires_grad]
         differentiable = [t for t in outputs if t.requires_grad]
@@ -365,7 +505,7 @@ class GraphedStage:
                 run_backward(differentiable, grad_outputs, wanted_inputs + params, keep_graph=False, accumulate=True)
                 grads = tuple(tensor.grad for tensor in wanted_inputs) + (None,) * len(params)
             else:
-                grads = torch.autograd.grad(differentiable, wanted_inputs + params, grad_outputs, allow_unused=True)
+                grads = run_backward(differentiable, grad_outputs, wanted_inputs + params, keep_graph=False)
         finally:
             if self.store:
                 self.store.collecting = None
@@ -425,23 +565,36 @@ def _described(tensor: tuple) -> str:
     return f"{tuple(shape)} {dtype} on {device}{', requiring grad' if requires_grad else ''}"
 
 
-def _copy_in(static: boundary.Flat, values: boundary.Flat) -> None:
-    for target, value in zip(static.tensors, values.tensors):
-        target.detach().copy_(value)  # the static input is an autograd leaf
+def _copy_in(landing: boundary.Flat, values: boundary.Flat) -> None:
+    for target, value in zip(landing.tensors, values.tensors):
+        target.copy_(value.detach())
+
+
+def _copy_found(landings: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None], what: str) -> None:
+    """Inside a capture: each gradient into its landing buffer, which the warm-up made where it found one."""
+    for index, (landing, grad) in enumerate(zip(landings, grads)):
+        if grad is None:
+            continue
+        if landing is None:
+            raise RuntimeError(f"cuda_graphs: {what}: entry {index} has a gradient in the capture and had none in "
+                               "the warm-up before it")
+        landing.copy_(grad)
 
 
 def _detached(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
     return [None if t is None else t.detach().clone() for t in tensors]
 
 
-_RESULTS = ("output", "input gradient", "parameter gradient", "deferred weight gradient")
+def _signed(tensors: Sequence[torch.Tensor | None], sign: float) -> list[torch.Tensor | None]:
+    return [t if t is None or sign > 0 else -t for t in tensors]
 
 
-def _largest_difference(replayed: tuple, reference: tuple) -> str | None:
+def _largest_difference(compared: Sequence[tuple[str, Sequence, Sequence]]) -> str | None:
     """The first replayed tensor off its eager twin by more than the tolerance (relative to the twin's largest
-    entry), described; None where every one agrees. One synchronization for all of them."""
+    entry), described; None where every one agrees. ``compared``: (what, replayed, eager) lists. One synchronization
+    for all of them."""
     pairs, named = [], []
-    for kind, got_list, want_list in zip(_RESULTS, replayed, reference):
+    for kind, got_list, want_list in compared:
         for index, (got, want) in enumerate(zip(got_list, want_list)):
             if (got is None) != (want is None):
                 return f"{kind} {index} is {'missing' if got is None else 'present'} in the replay only"
@@ -456,18 +609,12 @@ def _largest_difference(replayed: tuple, reference: tuple) -> str | None:
     return None
 
 
-def _largest_entries(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Each non-empty tensor's largest absolute entry, a 0-d fp32 tensor (no synchronization)."""
-    return [tensor.detach().float().abs().max() for tensor in tensors if tensor.numel()]
-
-
 def _off_zero(tensors: Sequence[torch.Tensor], largest: Sequence[torch.Tensor]) -> str | None:
-    """The first non-empty tensor whose largest entry is over the tolerance relative to ``largest`` (its eager twin's,
-    in the same order), described; None where every one is about zero. One synchronization."""
-    tensors = [tensor for tensor in tensors if tensor.numel()]
+    """The first tensor whose largest entry is over the tolerance relative to ``largest`` (its eager twin's, in the
+    same order), described; None where every one is about zero. One synchronization."""
     if not tensors:
         return None
-    found = torch.stack(_largest_entries(tensors) + list(largest)).tolist()
+    found = torch.stack([tensor.detach().float().abs().max() for tensor in tensors] + list(largest)).tolist()
     for index, (tensor, got, bound) in enumerate(zip(tensors, found, found[len(tensors):])):
         if not got <= _CHECK_TOLERANCE.get(tensor.dtype, _CHECK_TOLERANCE_DEFAULT) * bound:  # NaN fails too
             return (f"parameter gradient {index}: largest difference {got:.3g} where the largest entry is "
@@ -475,8 +622,6 @@ def _off_zero(tensors: Sequence[torch.Tensor], largest: Sequence[torch.Tensor]) 
     return None
 
 
-def _static_copy(values: boundary.Flat, differentiable: bool) -> boundary.Flat:
-    """Static copies of the tensors; those of a later stage require grad where the received ones do."""
-    return values._replace(tensors=[
-        tensor.detach().clone().requires_grad_(differentiable and tensor.requires_grad) for tensor in values.tensors
-    ])
+def _static_copy(values: boundary.Flat) -> boundary.Flat:
+    """Landing buffers holding copies of the tensors (no autograd history)."""
+    return values._replace(tensors=[tensor.detach().clone() for tensor in values.tensors])

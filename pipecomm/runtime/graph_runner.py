@@ -3,10 +3,9 @@ they pay and a checked capture agrees with eager, with eager runs wherever the g
 
 ``cuda_graphs="auto"`` (the default) runs a stage eagerly while it watches the micro-batches' structure, shapes and
 dtypes and times its passes (``PassTimer``). After two steps alike it captures at the third, unless the host launched a
-pass in under ``_HOST_SHARE`` of its GPU span (the GPU bounds the stage: graphs would keep each in-flight micro-batch's
-activations in memory of their own for nothing), or unless the capture would take more than ``_MEMORY_SHARE`` of the
-device memory left (each slot holds what one micro-batch's forward keeps, and the stage's gradients where its backward
-returns them; measured: a trial capture lifted a step's peak to 1.6x the eager one); each slot's first replay must equal
+pass in under ``_HOST_SHARE`` of its GPU span (the GPU bounds the stage: graphs would save nothing and cost their
+memory pool), or unless the capture would take more than ``_MEMORY_SHARE`` of the device memory left (the pool holds
+what the stage holds at its peak in a step, beside the eager warm-up's); every captured pass's first replay must equal
 an eager run of the same micro-batch. The step after the capture is a trial: the graphs stay only if a replayed pass
 took the GPU under ``_KEEP_BELOW`` of an eager one. Then every micro-batch that fits replays and any other (a short last
 batch) runs eagerly; a step that none fits, twice in a row, or a change the graphs cannot see
@@ -26,7 +25,7 @@ from torch import nn
 
 from pipecomm.runtime import boundary
 from pipecomm.runtime.checks import gradient_hook
-from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight_slots, signature, signature_difference
+from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight, signature, signature_difference, stage_passes
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.runtime.split_backward import WeightGradStore
@@ -110,10 +109,10 @@ class GraphRunner(EagerStage):
     """
 
     def __init__(self, module: nn.Module, sink: GradientSink, index: int, scaled_loss: Callable | None,
-                 weight_grad_store: WeightGradStore | None, rank: int, slots: int, automatic: bool,
+                 weight_grad_store: WeightGradStore | None, rank: int, passes: tuple, automatic: bool,
                  accumulators: GradientAccumulators):
         super().__init__(module, sink, index, scaled_loss, weight_grad_store, rank)
-        self.slots = slots
+        self.passes = passes  # the stage's, in the schedule's order (``stage_passes``)
         self.automatic = automatic
         self.accumulators = accumulators  # the rank's, which graphs of stages sharing a parameter share
         self.graphed: GraphedStage | None = None if automatic else self._graphs()
@@ -129,7 +128,7 @@ class GraphRunner(EagerStage):
         self._steps_unfit = 0  # consecutive steps none of whose micro-batches fit the graphs
 
     def _graphs(self) -> GraphedStage:
-        return GraphedStage(self.module, self.sink, self.slots, self.index, self.scaled_loss,
+        return GraphedStage(self.module, self.sink, self.passes, self.index, self.scaled_loss,
                             self.weight_grad_store, checked=self.automatic, accumulators=self.accumulators)
 
     @property
@@ -152,7 +151,7 @@ class GraphRunner(EagerStage):
         super().adopt_schedule(schedule, weight_grad_store)
         self._drop()
         try:
-            self.slots = in_flight_slots(schedule, self.rank, self.index)
+            self.passes = stage_passes(schedule, self.rank, self.index)
         except ValueError as error:
             self._give_up(str(error))
 
@@ -161,6 +160,7 @@ class GraphRunner(EagerStage):
         self._replayed.clear()
         graphed = self.graphed
         if training and graphed is not None and graphed.captured:
+            graphed.new_step()
             change = graphed.changed_since_capture()
             if change and not self.automatic:
                 raise ValueError(f"cuda_graphs: {change}, which their replays would not see; build a new Pipeline, "
@@ -210,9 +210,9 @@ class GraphRunner(EagerStage):
 
     def _not_worth_capturing(self, measured: tuple[float, float] | None, forward_growth: int) -> str | None:
         """Why a watched stage stays eager (nothing failed), or None: the GPU bounds it, a parameter has a gradient
-        hook (Python a replay would not run), or its graphs would not fit. A capture takes about, per slot, what a
-        forward keeps (and the stage's gradients, where the captured backward returns them together), once more for
-        the eager warm-up and check, and a set of gradients."""
+        hook (Python a replay would not run), or its graphs would not fit. A capture takes about what the stage holds
+        at its peak in a step (a forward's keep per micro-batch in flight), once more for the eager warm-up, and a set
+        of gradients (twice where the backward returns them: a landing set and the check's copy)."""
         if measured and measured[1] < _HOST_SHARE * measured[0]:
             return (f"the host launches a pass in {measured[1]:.3g} ms and the GPU runs it in {measured[0]:.3g}: the "
                     "GPU bounds it, graphs would cost memory for nothing")
@@ -220,14 +220,12 @@ class GraphRunner(EagerStage):
         if hook:
             return f"its {hook}, which a replay would not run"
         gradients = sum(p.numel() * p.element_size() for p in self.sink.params if p.requires_grad)
-        if self.sink.autograd_accumulates:  # the graphs add into one set of accumulators
-            needed = (self.slots + 1) * forward_growth + gradients
-        else:  # each slot's backward returns a set of gradients
-            needed = (self.slots + 1) * (forward_growth + gradients)
+        held = in_flight(self.passes)
+        needed = (held + 1) * forward_growth + gradients * (1 if self.sink.autograd_accumulates else 2)
         left = _free_bytes(self.sink.params)
         if needed > _MEMORY_SHARE * left:
-            return (f"its CUDA graphs would need about {needed / 1e9:.3g} GB (a slot per micro-batch in flight: "
-                    f"{self.slots}) and the device has {left / 1e9:.3g} GB left")
+            return (f"its CUDA graphs would need about {needed / 1e9:.3g} GB (micro-batches in flight at most: {held}) "
+                    f"and the device has {left / 1e9:.3g} GB left")
         return None
 
     def _drop(self) -> None:
@@ -283,14 +281,12 @@ class GraphRunner(EagerStage):
 
     def _replayed_forward(self, micro_batch: int, outputs: tuple) -> torch.Tensor | None:
         self._replayed.add(micro_batch)
-        self.record(micro_batch).outputs = boundary.Flat(list(outputs), self.graphed.output_layout)
+        held = self.record(micro_batch)
+        held.outputs = boundary.Flat(list(outputs), self.graphed.output_layout)
         if self.scaled_loss is None:
+            held.freeable = list(outputs)  # copies of the graph's landing buffers, for the send alone
             return None
-        return outputs[0].detach().clone()  # the graph's loss buffer is rewritten by the next replay
-
-    def outputs_sent(self, micro_batch: int) -> None:
-        if micro_batch not in self._replayed:  # a replayed slot's static outputs are the graph's to reuse
-            super().outputs_sent(micro_batch)
+        return outputs[0].detach()
 
     @property
     def _timing(self) -> bool:
@@ -326,8 +322,7 @@ class GraphRunner(EagerStage):
         held.outputs = held.output_grads = None
         held.inputs = []
         if self.index > 0:
-            # Copies: any slot's next backward replay rewrites them (the backwards share a pool), maybe before a send
-            # has read them.
+            # Copies: the stage's next backward replay rewrites its landing buffers, maybe before a send has read them.
             held.input_grads = tuple(grad.clone() if grad is not None else None for grad in input_grads)
         if param_grads is not None:  # else the graph added them into the accumulators
             self.sink.add(param_grads)
@@ -354,15 +349,15 @@ def _free_bytes(params: list[nn.Parameter]) -> float:
 def make_runner(module: nn.Module, sink: GradientSink, index: int, scaled_loss: Callable | None,
                 weight_grad_store: WeightGradStore | None, rank: int, schedule: Schedule,
                 cuda_graphs: bool | str, accumulators: GradientAccumulators) -> EagerStage:
-    """The runner of one stage: eager (``cuda_graphs`` False), graphed from the first step (True: the schedule's
-    order is checked here, before any communication), or adopting graphs when it can ("auto")."""
+    """The runner of one stage: eager (``cuda_graphs`` False), graphed from the first step (True: a schedule
+    whose passes the graphs cannot follow is refused here, before any communication), or adopting graphs when it can ("auto")."""
     if cuda_graphs is False:
         return EagerStage(module, sink, index, scaled_loss, weight_grad_store, rank)
     automatic = cuda_graphs == "auto"
     try:
-        slots = in_flight_slots(schedule, rank, index)
+        passes = stage_passes(schedule, rank, index)
     except ValueError:
         if not automatic:
             raise
         return EagerStage(module, sink, index, scaled_loss, weight_grad_store, rank)
-    return GraphRunner(module, sink, index, scaled_loss, weight_grad_store, rank, slots, automatic, accumulators)
+    return GraphRunner(module, sink, index, scaled_loss, weight_grad_store, rank, passes, automatic, accumulators)

@@ -100,7 +100,7 @@ class EagerStage:
                 store.recording = None
         if self.scaled_loss is None:
             held.outputs = boundary.stage_output(output)
-            held.freeable = _held_only_by_themselves(held.outputs.tensors)
+            held.freeable = held_only_by_themselves(held.outputs.tensors)
             return None
         loss = self.scaled_loss(output, *targets)
         held.outputs, held.output_grads = boundary.flatten(loss), (torch.ones_like(loss),)
@@ -211,7 +211,7 @@ def run_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     )
 
 
-def _held_only_by_themselves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def held_only_by_themselves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The outputs whose data nothing else holds, read right after the forward: the ones a send may free.
 
     ``.data`` swaps the storage of the tensor object itself, so whatever holds that object for the backward would
@@ -232,7 +232,7 @@ def _held_only_by_themselves(outputs: Sequence[torch.Tensor]) -> list[torch.Tens
 
 def free_data(tensors: Sequence[torch.Tensor]) -> None:
     """Megatron's deallocate_output_tensor: each tensor's autograd node lives on, its data goes (for
-    ``_held_only_by_themselves``'s tensors only)."""
+    ``held_only_by_themselves``'s tensors only)."""
     for tensor in tensors:
         tensor.data = torch.empty((1,), dtype=tensor.dtype, device=tensor.device)
 
