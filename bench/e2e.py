@@ -321,6 +321,11 @@ class Rank:
         graph_pools = sum(free for pool, (_, free) in self.graph_pools().items() if pool not in self.pools_left)
         return max(torch.cuda.max_memory_allocated(self.device) + graph_pools, earlier) / 1e9
 
+    def reserved_gb(self) -> float | None:
+        """The caching allocator's peak reserved bytes since the last reset, graph pools included: eager rows' and
+        graphed rows' footprints alike, fragmentation and cached blocks counted on both."""
+        return torch.cuda.max_memory_reserved(self.device) / 1e9 if self.cuda else None
+
     def graph_pools(self) -> dict[tuple, tuple[int, int]]:
         """Private (CUDA-graph) pool id -> (its reserved bytes, those of them not allocated), on this rank's device."""
         pools: dict[tuple, tuple[int, int]] = {}
@@ -561,7 +566,7 @@ class Rank:
             with self.memory_history(f"{config.name}-{name}", enabled=pipe is not None):
                 samples, wall_ms = self.time_steps(step, self.args.warmup, self.args.steps)
             result.update(step_ms=samples, wall_ms=wall_ms, peak_gb=self.peak_gb(self.warm_up_peak),
-                          steady_gb=self.peak_gb())
+                          steady_gb=self.peak_gb(), steady_reserved_gb=self.reserved_gb())
             if pipe is not None:
                 result["cuda_graph_states"] = pipe.cuda_graph_states
             if self.args.trace and pipe is not None:
@@ -667,6 +672,7 @@ def rows_for(args: argparse.Namespace, collected: Collector, config_name: str) -
             for rank, r in enumerate(per_rank):
                 row[f"mem{rank}_GB"] = r.get("peak_gb")
                 row[f"steady{rank}_GB"] = r.get("steady_gb")
+                row[f"steady_reserved{rank}_GB"] = r.get("steady_reserved_gb")
             if any("pools_left_gb" in r for r in per_rank):
                 row["pools_left_gb"] = [r.get("pools_left_gb", 0.0) for r in per_rank]
             if "cuda_graph_states" in per_rank[0]:
@@ -993,6 +999,11 @@ def main(argv: list[str] | None = None) -> None:
         floor = memory_floor_line(summary, rows, args.ranks)
         if floor:
             print(floor)
+        reserved = [f"{row['schedule']} {peak(row, args.ranks, 'steady_reserved'):.3f}" for row in rows
+                    if peak(row, args.ranks, "steady_reserved") is not None]
+        if reserved:
+            print("# reserved over the timed steps, GB (the larger rank; graph pools, fragmentation and cache "
+                  "included): " + ", ".join(reserved))
         for row in rows:
             if "step_vs_torch_1f1b" in row and row["schedule"] not in TORCH_SCHEDULES:
                 print(f"# {name}: pipecomm {row['schedule']} / {BASELINE} step time = "
