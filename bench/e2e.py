@@ -47,8 +47,9 @@ from it fails the run.
 
 --share-gpu puts every rank on cuda:0 (gloo; pipecomm over CUDA IPC), for one GPU; torch's rows are errors there (its
 pipelining needs send/recv of CUDA tensors, which NCCL gives only one rank per GPU and gloo not at all).
---memory-history DIR records the allocator's events over each pipecomm row's timed steps, a pickle per rank, for
-scripts/peak_memory.py (what is live at the peak, by allocation site); it slows those rows.
+--memory-history DIR records the allocator's events over each pipecomm row's steps from its first (where
+cuda_graphs=True captures), a pickle per rank, for scripts/peak_memory.py (what is live at the peak, by allocation
+site); it slows those rows.
 """
 
 from __future__ import annotations
@@ -373,7 +374,7 @@ class Rank:
 
     @contextlib.contextmanager
     def memory_history(self, row: str, enabled: bool):
-        """With --memory-history: the caching allocator's events (and their Python stacks) over the timed steps,
+        """With --memory-history: the caching allocator's events (and their Python stacks) over the row's steps,
         written to DIR/<row>-rank<r>.pickle for torch's memory_viz or scripts/peak_memory.py."""
         if not (enabled and self.cuda and self.args.memory_history):
             yield
@@ -558,12 +559,12 @@ class Rank:
                 step, close, pipe = self.torch_runner(config, name)
             else:
                 step, close, pipe = self.pipecomm_runner(config, name)
-            loss = step()  # first step: connects, infers shapes; not timed
-            if base_schedule(name) == AUTO:
-                loss = self.run_until_settled(step, pipe, result)
-            result["loss"] = float(loss) if loss is not None else None
-            self.synchronize()
             with self.memory_history(f"{config.name}-{name}", enabled=pipe is not None):
+                loss = step()  # first step: connects, infers shapes (cuda_graphs=True captures); not timed
+                if base_schedule(name) == AUTO:
+                    loss = self.run_until_settled(step, pipe, result)
+                result["loss"] = float(loss) if loss is not None else None
+                self.synchronize()
                 samples, wall_ms = self.time_steps(step, self.args.warmup, self.args.steps)
             result.update(step_ms=samples, wall_ms=wall_ms, peak_gb=self.peak_gb(self.warm_up_peak),
                           steady_gb=self.peak_gb(), steady_reserved_gb=self.reserved_gb())
