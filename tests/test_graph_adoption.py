@@ -176,6 +176,14 @@ def test_a_host_bound_stage_captures_at_the_third_step_and_keeps_faster_graphs(a
     assert _train(5, [HOST_BOUND, FASTER]) == ["watching", "to capture", "replaying", "replaying", "replaying"]
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1", "zb-h2"])
+def test_replays_follow_the_captured_order_of_each_schedule(adoption, schedule):
+    """The graphs are one per micro-batch and pass, captured in the schedule's order: the runner must replay them in
+    that order (``EagerGraphs`` asserts it) whatever the schedule, split backwards included, and stay exact (zb-h2
+    re-orders its passes for the costs it measured first, and captures a step later)."""
+    assert _train(5, [HOST_BOUND, FASTER], schedule=schedule)[-2:] == ["replaying"] * 2
+
+
 def test_replayed_gradients_add_up_over_steps_without_zero_grad(adoption):
     assert _train(5, [HOST_BOUND, FASTER], zero_grad=False)[2:] == ["replaying"] * 3
 
