@@ -1,9 +1,9 @@
 """Gradient tensors at fixed addresses that captured backward graphs add into, bound as the parameters' ``.grad``.
 
-A captured backward that returned every parameter's gradient would keep a whole set of gradients in each graph
-slot's memory pool, for the caller to add into ``.grad``. Captured adding in place into one persistent tensor per
-parameter (autograd's own in-place accumulation, or the zero-bubble W's ``addmm_``), each gradient is freed as soon
-as it is added, so a slot's pool holds what eager would: its activations and the backward's transients.
+A captured backward that returned every parameter's gradient would need a set of gradients at fixed addresses, for
+the caller to add into ``.grad``. Captured adding in place into one persistent tensor per parameter (autograd's own
+in-place accumulation, or the zero-bubble W's ``addmm_``), each gradient is freed as soon as it is added, so the
+graphs' pool holds what eager would: activations and the backward's transients.
 
 The tensor stays where the graphs write it, so each step it is handed to the parameter again as ``.grad`` holding
 what an eager ``.grad`` would hold: zeros after ``zero_grad()`` (which sets ``.grad`` to None), the gradients left

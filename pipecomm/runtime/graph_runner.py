@@ -74,7 +74,7 @@ class PassTimer:
     """GPU and host time of a stage's passes over one step, from CUDA events and the host clock around each. Eager, a
     pass's GPU span is the host's launches and the kernels together; replayed, the kernels' alone: their ratio is what
     graphs save. A host done launching in well under the GPU span means the GPU bounds the stage. Also the most device
-    memory a pass left allocated: a forward's saved activations and outputs, which a graph slot would hold."""
+    memory a pass left allocated: a forward's saved activations and outputs, which the graphs' pool would hold."""
 
     def __init__(self) -> None:
         self._spans: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
@@ -306,7 +306,7 @@ class GraphRunner(EagerStage):
 
     def backward_input(self, micro_batch: int) -> None:
         if micro_batch in self._replayed:
-            self._timed(self._backward_pass, micro_batch)  # the slot's I graph
+            self._timed(self._backward_pass, micro_batch)  # the micro-batch's I graph
         else:
             self._timed(super().backward_input, micro_batch)
 
@@ -349,8 +349,9 @@ def _free_bytes(params: list[nn.Parameter]) -> float:
 def make_runner(module: nn.Module, sink: GradientSink, index: int, scaled_loss: Callable | None,
                 weight_grad_store: WeightGradStore | None, rank: int, schedule: Schedule,
                 cuda_graphs: bool | str, accumulators: GradientAccumulators) -> EagerStage:
-    """The runner of one stage: eager (``cuda_graphs`` False), graphed from the first step (True: a schedule
-    whose passes the graphs cannot follow is refused here, before any communication), or adopting graphs when it can ("auto")."""
+    """The runner of one stage: eager (``cuda_graphs`` False), graphed from the first step (True: a schedule whose
+    passes the graphs cannot follow is refused here, before any communication), or adopting graphs when it can
+    ("auto")."""
     if cuda_graphs is False:
         return EagerStage(module, sink, index, scaled_loss, weight_grad_store, rank)
     automatic = cuda_graphs == "auto"
