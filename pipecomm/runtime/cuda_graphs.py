@@ -355,7 +355,7 @@ class GraphedStage:
                 parts[id(param)] = ({"input"} if id(param) in input_part else set()) | (
                     {"weight"} if id(param) in weight_part else set())
                 if tensor.numel():
-                    largest[id(param)] = tensor.detach().float().abs().max()
+                    largest[id(param)] = _largest_entry(tensor)
         return _Reference(_detached(outputs), _detached(input_grads),
                           None if self.accumulators else _detached(param_grads),
                           None if self.accumulators else _detached(weight_grads or []), largest, parts, states)
@@ -425,18 +425,18 @@ class GraphedStage:
         one more negated than not. A second round of replays, as far as needed, checks what the first one's last
         passes added."""
         signs: dict[int, float] = {}  # each micro-batch's, for its backward's passes
-        signs_given: list[int] = []
+        backwards = 0  # backward (or I) replays so far, both rounds
+        probes = self._probe([t for t, wanted in zip(self._outputs, self._output_requires_grad) if wanted])
         sums = {"input": 0, "weight": 0}  # the signs added so far by the passes adding into each part
         to_cover = set(reference.largest)  # parameters whose accumulators no check has covered since the first round
         for round_ in range(2 if self.accumulators else 1):
             for position, (kind, micro_batch) in enumerate(self.passes):
                 torch.cuda.set_rng_state(reference.states[_STATE_OF[kind]], device)
                 if kind in ("B", "I"):
-                    signs[micro_batch] = -1.0 if len(signs_given) % 2 == 0 else 1.0
-                    signs_given.append(micro_batch)
-                    differentiable = [t for t, wanted in zip(self._outputs, self._output_requires_grad) if wanted]
-                    for landing, probe in zip(self._grad_outputs, self._probe(differentiable)):
-                        landing.copy_(probe.mul_(signs[micro_batch]))
+                    signs[micro_batch] = -1.0 if backwards % 2 == 0 else 1.0
+                    backwards += 1
+                    for landing, probe in zip(self._grad_outputs, probes):
+                        torch.mul(probe, signs[micro_batch], out=landing)
                 self._graphs[(kind, micro_batch)].replay()
                 difference = self._replay_difference(kind, signs.get(micro_batch), reference) if round_ == 0 else None
                 if difference:
@@ -609,12 +609,17 @@ def _largest_difference(compared: Sequence[tuple[str, Sequence, Sequence]]) -> s
     return None
 
 
+def _largest_entry(tensor: torch.Tensor) -> torch.Tensor:
+    """The largest absolute entry, a 0-d fp32 tensor (no synchronization)."""
+    return tensor.detach().float().abs().max()
+
+
 def _off_zero(tensors: Sequence[torch.Tensor], largest: Sequence[torch.Tensor]) -> str | None:
     """The first tensor whose largest entry is over the tolerance relative to ``largest`` (its eager twin's, in the
     same order), described; None where every one is about zero. One synchronization."""
     if not tensors:
         return None
-    found = torch.stack([tensor.detach().float().abs().max() for tensor in tensors] + list(largest)).tolist()
+    found = torch.stack([_largest_entry(tensor) for tensor in tensors] + list(largest)).tolist()
     for index, (tensor, got, bound) in enumerate(zip(tensors, found, found[len(tensors):])):
         if not got <= _CHECK_TOLERANCE.get(tensor.dtype, _CHECK_TOLERANCE_DEFAULT) * bound:  # NaN fails too
             return (f"parameter gradient {index}: largest difference {got:.3g} where the largest entry is "
