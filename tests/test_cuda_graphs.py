@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight, stage_passes
+from pipecomm.runtime import boundary
+from pipecomm.runtime.cuda_graphs import GraphedStage, GraphGroup, in_flight, stage_passes
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.schedules.schedule import make_schedule
@@ -79,6 +80,7 @@ def test_a_replay_out_of_the_captured_order_is_refused():
     graphed = GraphedStage(module, GradientSink(list(module.parameters()), main_grad=False),
                            passes=[("F", 0), ("F", 1), ("B", 0), ("B", 1)], stage=0, loss=None)
     graphed._graphs = {step: _Replay() for step in graphed.passes}  # captured, as far as the order goes
+    graphed._group = GraphGroup([(0, *step) for step in graphed.passes])
     graphed._launch("F", 0)
     graphed._launch("B", 0)  # skipping F1 is allowed: a skipped pass writes nothing
     with pytest.raises(RuntimeError, match="F pass of micro-batch 1 comes out of the order .* F0 F1 B0 B1"):
@@ -87,6 +89,21 @@ def test_a_replay_out_of_the_captured_order_is_refused():
         graphed._launch("F", 2)
     graphed.new_step()
     graphed._launch("F", 1)
+
+
+def test_stages_captured_together_replay_in_their_one_captured_order():
+    """Two stages of a rank captured into one pool: a pass of either may not come before one of the other's that
+    was captured before it; skipping is allowed."""
+    group = GraphGroup([(0, "F", 0), (3, "F", 0), (0, "F", 1), (3, "B", 0), (0, "B", 0), (0, "B", 1)])
+    group.launch(0, "F", 0, _Replay())
+    group.launch(3, "B", 0, _Replay())  # skipping stage 3's F0 and stage 0's F1
+    with pytest.raises(RuntimeError, match=r"stage 0's F pass of micro-batch 1 comes out of the order .* "
+                                           r"F0\(stage 0\) F0\(stage 3\) F1\(stage 0\)"):
+        group.launch(0, "F", 1, _Replay())
+    with pytest.raises(RuntimeError, match="stage 3's F pass of micro-batch 1 was not captured"):
+        group.launch(3, "F", 1, _Replay())
+    group.new_step()
+    group.launch(3, "F", 0, _Replay())
 
 
 class _Replay:
@@ -231,17 +248,21 @@ def test_replays_add_the_parameter_gradients_into_grad_in_place(split):
         torch.testing.assert_close(param.grad, ref.grad)
 
 
-def _held_bytes(passes: list[tuple[str, int]], graphed: bool) -> tuple[int, int]:
-    """Device memory a stage of 8 Linear(1024, 1024) + GELU blocks holds for its micro-batches (4096 rows, 32 MB of
-    saved activations per block) over ``passes`` beyond its parameters and gradients: eager, its peak allocated;
-    graphed, its graphs' pool after a capture and a replayed step; and the graphed stage's landing buffers."""
+def _held_bytes(order: list[tuple[int, str, int]], graphed: bool) -> tuple[int, int]:
+    """Device memory a rank's stages of 8 Linear(1024, 1024) + GELU blocks each hold for their micro-batches (4096
+    rows, 32 MB of saved activations per block) over ``order`` (stage, kind, micro-batch) beyond their parameters and
+    gradients: eager, the peak allocated; graphed (the stages captured together), the graphs' pool after a capture
+    and a replayed step; and the graphed stages' landing buffers."""
     torch.manual_seed(0)
-    module = nn.Sequential(*(nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8))).cuda()
-    params = list(module.parameters())
-    store = WeightGradStore() if any(kind == "I" for kind, _ in passes) else None
+    indices = sorted({stage for stage, _, _ in order})
+    modules = {stage: nn.Sequential(*(nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8))).cuda()
+               for stage in indices}
+    split = any(kind == "I" for _, kind, _ in order)
+    store = WeightGradStore() if split else None
     if store:
-        defer_linear_weight_grads([module], store)
-    for param in params:
+        defer_linear_weight_grads(list(modules.values()), store)
+    params = {stage: list(module.parameters()) for stage, module in modules.items()}
+    for param in (param for stage in indices for param in params[stage]):
         param.grad = torch.zeros_like(param)
     grad = torch.randn(4096, 1024, device="cuda")
 
@@ -251,12 +272,14 @@ def _held_bytes(passes: list[tuple[str, int]], graphed: bool) -> tuple[int, int]
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     if not graphed:
-        sink = GradientSink(params, main_grad=False)
-        runner = EagerStage(module, sink, 1, None, store, rank=0)
-        runner.start(True)
+        runners = {stage: EagerStage(modules[stage], GradientSink(params[stage], main_grad=False), stage, None, store,
+                                     rank=0) for stage in indices}
+        for runner in runners.values():
+            runner.start(True)
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        for kind, m in passes:
+        for stage, kind, m in order:
+            runner = runners[stage]
             if kind == "F":
                 x = received()
                 runner.forward(m, (x,), {}, [x], ())
@@ -271,21 +294,28 @@ def _held_bytes(passes: list[tuple[str, int]], graphed: bool) -> tuple[int, int]
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base, 0
     reserved = torch.cuda.memory_reserved()
-    stage = GraphedStage(module, GradientSink(params, main_grad=False), passes, stage=1, loss=None,
-                         weight_grad_store=store, accumulators=GradientAccumulators())
-    for kind, m in passes:
+    accumulators = GradientAccumulators()
+    stages = {stage: GraphedStage(modules[stage], GradientSink(params[stage], main_grad=False),
+                                  [(kind, m) for one, kind, m in order if one == stage], stage=stage, loss=None,
+                                  weight_grad_store=store, accumulators=accumulators) for stage in indices}
+    samples = {stage: (boundary.flatten(((received(),), {})), boundary.flatten(())) for stage in indices}
+    GraphedStage.capture(list(stages.values()), samples, order)
+    del samples
+    for stage, kind, m in order:
+        graphed = stages[stage]
         if kind == "F":
-            stage.forward(m, (received(),), ())
+            graphed.forward(m, (received(),), ())
         elif kind == "W":
-            stage.backward_weights(m)
+            graphed.backward_weights(m)
         else:
-            stage.backward(m, (grad,))
+            graphed.backward(m, (grad,))
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # the warm-up's cached blocks
     pools = sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
                 if tuple(segment["segment_pool_id"]) != (0, 0))
-    landing = sum(t.nbytes for t in [*stage._inputs.tensors, *stage._outputs, *stage._grad_outputs,
-                                     *(t for t in stage._input_grads if t is not None)])
+    landing = sum(t.nbytes for graphed in stages.values()
+                  for t in [*graphed._inputs.tensors, *graphed._outputs, *graphed._grad_outputs,
+                            *(t for t in graphed._input_grads if t is not None)])
     assert torch.cuda.memory_reserved() - reserved >= pools + landing
     return pools, landing
 
@@ -300,7 +330,65 @@ def test_the_graphs_hold_what_eager_holds_at_its_peak(passes):
     freed at a micro-batch's backward (at its I, but for W's operands) are reused by later passes. A pool per
     micro-batch in flight held each one's activations until its last pass, and its own transients. Beside the pool,
     the stage's landing buffers: an input, an output, their gradients (16 MB each here)."""
-    eager, _ = _held_bytes(passes, graphed=False)
-    graphed, landing = _held_bytes(passes, graphed=True)
+    order = [(1, kind, m) for kind, m in passes]
+    eager, _ = _held_bytes(order, graphed=False)
+    graphed, landing = _held_bytes(order, graphed=True)
     assert graphed <= 1.05 * eager, (graphed / 2**20, eager / 2**20)
     assert landing == 4 * (16 << 20)
+
+
+@needs_cuda
+@pytest.mark.parametrize("order", [
+    "F0/1 F1/1 F0/2 F2/1 F1/2 B0/2 F3/1 B0/1 F2/2 B1/2 B1/1 F3/2 B2/2 B2/1 B3/2 B3/1",
+    "F0/1 F1/1 F0/2 F2/1 F1/2 I0/2 F3/1 I0/1 F2/2 W0/2 I1/2 W0/1 I1/1 F3/2 W1/2 I2/2 W1/1 I2/1 I3/2 W2/2 W2/1 I3/1 "
+    "W3/2 W3/1",
+], ids=["whole backward", "I and W"])
+def test_a_ranks_stages_captured_together_hold_what_eager_holds_at_the_ranks_peak(order):
+    """Two stages on one rank (zb-v's V, four micro-batches) captured together into one pool, in the rank's order:
+    the pool holds what eager holds at the rank's peak, not the sum of each stage's own peak, which a pool per
+    stage held. Beside it, each stage's landing buffers."""
+    order = [(int(step.split("/")[1]), step[0], int(step[1:].split("/")[0])) for step in order.split()]
+    eager, _ = _held_bytes(order, graphed=False)
+    graphed, landing = _held_bytes(order, graphed=True)
+    assert graphed <= 1.05 * eager, (graphed / 2**20, eager / 2**20)
+    assert landing == 2 * 4 * (16 << 20)
+
+
+@needs_cuda
+def test_two_stages_sharing_a_weight_captured_together_are_checked_and_exact():
+    """Two stages of a rank holding one Linear (a tied layer), captured together with the check: each stage's
+    graphs add its part of the weight's gradient into the one accumulator, the check passes for both (each starts
+    from its own warm-up's gradients, though the other's warm-up added into the same accumulator), and a replayed
+    step's gradients equal eager autograd's sums."""
+    torch.manual_seed(0)
+    shared = nn.Linear(64, 64)
+    modules = {1: nn.Sequential(shared, nn.Tanh()), 2: nn.Sequential(shared, nn.Tanh(), nn.Linear(64, 64))}
+    modules = {stage: module.cuda() for stage, module in modules.items()}
+    order = [(1, "F", 0), (2, "F", 0), (1, "F", 1), (2, "B", 0), (2, "F", 1), (1, "B", 0), (2, "B", 1), (1, "B", 1)]
+    params = {stage: list(module.parameters()) for stage, module in modules.items()}
+    everything = list({id(p): p for stage in modules for p in params[stage]}.values())
+    accumulators = GradientAccumulators()
+    stages = {stage: GraphedStage(modules[stage], GradientSink(params[stage], main_grad=False),
+                                  [(kind, m) for one, kind, m in order if one == stage], stage=stage, loss=None,
+                                  checked=True, accumulators=accumulators) for stage in modules}
+    inputs = {stage: [torch.randn(32, 64, device="cuda", requires_grad=True) for _ in range(2)] for stage in modules}
+    grads = {stage: [torch.randn(32, 64, device="cuda") for _ in range(2)] for stage in modules}
+    samples = {stage: (boundary.flatten(((inputs[stage][0],), {})), boundary.flatten(())) for stage in modules}
+    GraphedStage.capture(list(stages.values()), samples, order)
+    assert stages[1]._group is stages[2]._group
+    for param in everything:
+        param.grad = None  # zero_grad()
+    accumulators.bind(everything)
+    for stage, kind, m in order:
+        if kind == "F":
+            stages[stage].forward(m, (inputs[stage][m],), ())
+        else:
+            stages[stage].backward(m, (grads[stage][m],))
+    expected = {id(p): torch.zeros_like(p) for p in everything}
+    for stage, module in modules.items():
+        for m in range(2):
+            found = torch.autograd.grad(module(inputs[stage][m]), params[stage], grads[stage][m])
+            for param, grad in zip(params[stage], found):
+                expected[id(param)] += grad
+    for param in everything:
+        torch.testing.assert_close(param.grad, expected[id(param)], rtol=1e-4, atol=1e-5)

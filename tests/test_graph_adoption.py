@@ -28,7 +28,8 @@ class EagerGraphs:
 
     def __init__(self, module, sink, passes, stage, loss, weight_grad_store=None, checked=False, accumulators=None):
         self.module, self.params, self.loss, self.stage = module, sink.params, loss, stage
-        self.passes, self._next = list(passes), 0  # replays must follow the captured order, as real graphs' must
+        self.passes = list(passes)
+        self._group = None  # the order the stages captured together share, and its next position, as real graphs'
         self.accumulators = accumulators if sink.autograd_accumulates else None
         self.accumulated, self._adding_into = [], []
         self.output_layout = None
@@ -37,28 +38,38 @@ class EagerGraphs:
         self._held = {}
 
     def new_step(self):
-        self._next = 0
+        self._group["next"] = 0
 
     def _follow(self, kind, micro_batch):
-        position = self.passes.index((kind, micro_batch))
-        assert position >= self._next, f"{kind}{micro_batch} replayed out of the captured order {self.passes}"
-        self._next = position + 1
+        order = self._group["order"]
+        position = order.index((self.stage, kind, micro_batch))
+        assert position >= self._group["next"], f"{kind}{micro_batch} replayed out of the captured order {order}"
+        self._group["next"] = position + 1
 
     def mismatch(self, inputs, targets):
         return signature_difference(signature(inputs, targets), self._signature)
 
+    @classmethod
+    def capture(cls, members, samples, order):
+        if EagerGraphs.fail_capture:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        stages = {member.stage for member in members}
+        group = {"order": [step for step in order if step[0] in stages], "next": 0}
+        for member in members:
+            member._group = group
+            inputs, targets = samples[member.stage]
+            if member.accumulators:
+                with member.accumulators.capturing(member.params):
+                    outputs = member._forward("capture", inputs, targets)
+                    member._backward("capture", tuple(torch.ones_like(t) for t in outputs))
+                    member.accumulated = member.accumulators.adopt_reached(member.stage, member.params)
+                member._adding_into = member.accumulators.tensors(member.accumulated)  # a capture bakes in addresses
+            member.captured = True
+            member._signature = signature(inputs, targets)
+
     def replay(self, micro_batch, inputs, targets):
         if not self.captured:
-            if EagerGraphs.fail_capture:
-                raise RuntimeError("operation not permitted when stream is capturing")
-            if self.accumulators:
-                with self.accumulators.capturing(self.params):
-                    outputs = self._forward(micro_batch, inputs, targets)
-                    self._backward(micro_batch, tuple(torch.ones_like(t) for t in outputs))
-                    self.accumulated = self.accumulators.adopt_reached(self.stage, self.params)
-                self._adding_into = self.accumulators.tensors(self.accumulated)  # as a capture bakes in addresses
-            self.captured = True
-            self._signature = signature(inputs, targets)
+            self.capture([self], {self.stage: (inputs, targets)}, [(self.stage, *step) for step in self.passes])
         return self.replay_fitting(micro_batch, inputs, targets)
 
     def replay_fitting(self, micro_batch, inputs, targets):
@@ -262,3 +273,33 @@ def test_two_graphed_stages_sharing_a_parameter_add_into_one_accumulator(adoptio
             torch.testing.assert_close(param.grad, ref.grad, **TOLERANCE, msg=f"step {step}")
             param.grad = ref.grad = None
     assert pipe.cuda_graph_states == {0: "replaying", 1: "replaying"}
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, "auto"])
+@pytest.mark.parametrize("schedule", ["zb-v", "interleaved-1f1b"])
+def test_a_ranks_stages_are_captured_together_and_replay_in_its_order(adoption, monkeypatch, schedule, cuda_graphs):
+    """A rank holding two stages: both are captured together, into one order (``EagerGraphs`` asserts the replays
+    keep it across the stages): with cuda_graphs=True at the second step's first forward (the first step runs
+    eagerly, each stage keeping a micro-batch to capture on), with "auto" at the first forward after the watch; exact
+    against one process every step."""
+    GivenTimes.measurements[:] = [HOST_BOUND, HOST_BOUND, FASTER, FASTER]
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))]
+    reference = copy.deepcopy(nn.ModuleList(stages))
+    # "auto" passes the Pipeline's check of a CPU device; the runners get the mode asked for.
+    monkeypatch.setattr(pipecomm.pipeline, "graph_mode", lambda *args, **kwargs: cuda_graphs)
+    pipe = pipecomm.Pipeline(stages, stage=[0, 1], num_stages=2, micro_batches=4, loss_fn=nn.functional.mse_loss,
+                             schedule=schedule)
+    for step in range(5):
+        x, y = torch.randn(16, 8), torch.randn(16, 4)
+        loss = pipe.step(x, target=y)
+        expected = sum(nn.functional.mse_loss(reference[1](reference[0](a)), b) / 4
+                       for a, b in zip(x.chunk(4), y.chunk(4)))
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), **TOLERANCE)
+        for param, ref in zip(nn.ModuleList(stages).parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, ref.grad, **TOLERANCE, msg=f"step {step}")
+            param.grad = ref.grad = None
+    assert pipe.cuda_graph_states == {0: "replaying", 1: "replaying"}
+    runners = pipe._executor.stages
+    assert runners[0].graphed._group is runners[1].graphed._group, "the stages were captured apart"

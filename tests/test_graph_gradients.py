@@ -172,6 +172,7 @@ def test_the_check_finds_a_pass_off_eager_without_copying_the_gradients(monkeypa
         {id(p): {"input"} for p in params}, [None] * 3)
     stale_micro_batch = micro_batches - 1 if stale == "last" else stale
     graphed._graphs = _eager_graphs(graphed, module, lambda param: by_id[id(param)], stale_micro_batch)
+    graphed._group = cuda_graphs.GraphGroup([(1, *step) for step in passes])
     if stale_micro_batch is None:
         graphed._check_replays(reference, torch.device("cpu"))
         graphed.new_step()

@@ -45,6 +45,11 @@ class Flat(NamedTuple):
     layout: Layout
 
 
+def detached_copy(flat: Flat) -> Flat:
+    """``flat`` with copies of its tensors, without their autograd history."""
+    return flat._replace(tensors=[tensor.detach().clone() for tensor in flat.tensors])
+
+
 def flatten(structure: Any) -> Flat:
     """Takes any pytree apart (tuples, lists, dicts, None, dataclasses, transformers ModelOutputs, ...).
 

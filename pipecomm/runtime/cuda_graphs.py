@@ -5,8 +5,11 @@ runs in a step (its forward, with the loss on the last stage, and its backward, 
 captured once per micro-batch, in the order the schedule runs them on this rank, into one memory pool, and replayed in
 that order every step. Each capture meets the allocator as eager would at that point of the step, so the pool holds
 what eager holds at its peak: a micro-batch's activations are freed at its backward (at its I, but for W's operands)
-and later passes reuse them. That is also why the order is enforced: a replay out of it would write over memory that a
-later pass reads. Skipping passes (a micro-batch run eagerly) is safe: a skipped pass writes nothing.
+and later passes reuse them. A rank's stages (zb-v's two) are captured together, their passes interleaved as the rank
+runs them, into one pool (``GraphedStage.capture``; ``rank_graphs`` gathers them): the pool then holds the rank's
+peak, not each stage's own added up. That is also why the order is enforced (``GraphGroup``): a replay out of it would
+write over memory that a later pass reads. Skipping passes (a micro-batch run eagerly) is safe: a skipped pass writes
+nothing.
 
 Tensors cross a graph's edge through one set of landing buffers per stage (inputs, targets, outputs, output gradients,
 input gradients), copied into before a replay and out of after it; inside the graph a micro-batch's inputs are copied
@@ -57,11 +60,17 @@ class GraphCheckError(RuntimeError):
     """A captured graph's first replay differed from an eager run of the same micro-batch."""
 
 
+def rank_passes(schedule: Schedule, rank: int) -> tuple[tuple[int, str, int], ...]:
+    """The compute passes of ``rank`` in the schedule's order, as (stage, kind, micro-batch): the order its graphs
+    captured together keep."""
+    return tuple((action.stage, action.kind, action.micro_batch) for action in schedule.actions[rank]
+                 if action.kind in _PASSES)
+
+
 def stage_passes(schedule: Schedule, rank: int, stage: int) -> tuple[tuple[str, int], ...]:
     """The stage's compute passes on ``rank`` in the schedule's order, as (kind, micro-batch): what its graphs are.
     Raises where a stage's backwards are whole for some micro-batches and split for others."""
-    passes = tuple((action.kind, action.micro_batch) for action in schedule.actions[rank]
-                   if action.stage == stage and action.kind in _PASSES)
+    passes = tuple((kind, micro_batch) for one, kind, micro_batch in rank_passes(schedule, rank) if one == stage)
     kinds = {kind for kind, _ in passes}
     if "B" in kinds and "I" in kinds:
         raise ValueError(f"cuda_graphs: schedule {schedule.name!r} runs stage {stage}'s backward whole for some "
@@ -103,9 +112,35 @@ class _Reference:
     states: list[torch.Tensor]
 
 
+class GraphGroup:
+    """Stages whose graphs were captured together: one memory pool, and ``order`` (stage, kind, micro-batch), the order
+    the captures met the allocator in, which their replays keep within a step across the stages."""
+
+    def __init__(self, order: Sequence[tuple[int, str, int]]):
+        self.order = tuple(order)
+        self._position = {step: index for index, step in enumerate(self.order)}
+        self._next = 0  # the earliest position in ``order`` the next replay may take in this step
+
+    def new_step(self) -> None:
+        """A step begins: its replays start from the first pass again."""
+        self._next = 0
+
+    def launch(self, stage: int, kind: str, micro_batch: int, graph: torch.cuda.CUDAGraph | None) -> None:
+        position = self._position.get((stage, kind, micro_batch))
+        if graph is None or position is None or position < self._next:
+            why = ("was not captured" if graph is None or position is None else
+                   "comes out of the order its graphs were captured in, and would write over memory a later pass reads")
+            several = len({step[0] for step in self.order}) > 1
+            order = " ".join(f"{k}{m}" + (f"(stage {s})" if several else "") for s, k, m in self.order)
+            raise RuntimeError(f"cuda_graphs: stage {stage}'s {kind} pass of micro-batch {micro_batch} {why}; "
+                               f"the captured order: {order}")
+        self._next = position + 1
+        graph.replay()
+
+
 class GraphedStage:
     """A stage module whose passes replay CUDA graphs, one per micro-batch and pass of ``passes`` (``stage_passes``),
-    captured at the first forward and replayed in that order.
+    captured at the first forward (or with the rank's other stages, ``capture``) and replayed in that order.
 
     Split backwards (I passes; the stage's Linear layers defer to ``weight_grad_store``) are captured as the eager
     executor splits them: I (input gradients and every parameter's gradient but the deferred Linear weight GEMMs') and
@@ -125,9 +160,8 @@ class GraphedStage:
         self.accumulated: list[nn.Parameter] = []  # the parameters whose gradients the graphs add into accumulators
         self.stage = stage
         self.passes = tuple(passes)
-        self._position = {step: index for index, step in enumerate(self.passes)}
         self.split = any(kind == "I" for kind, _ in self.passes)
-        if len(self._position) < len(self.passes) or (self.split and weight_grad_store is None):
+        if len(set(self.passes)) < len(self.passes) or (self.split and weight_grad_store is None):
             raise ValueError(f"cuda_graphs: stage {stage}'s passes {self.passes} repeat one, or split a backward "
                              "without a weight-gradient store")
         self.loss = loss  # (output, *targets) -> scaled loss, on the last stage
@@ -137,7 +171,7 @@ class GraphedStage:
         self._seen: CaptureState | None = None  # what the replays read beside their inputs, as the capture saw it
         self._signature: tuple = ()  # of the micro-batch the graphs were captured for (``signature``)
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        self._next = 0  # the earliest position in ``passes`` the next replay may take in this step
+        self._group: GraphGroup | None = None  # the stages captured with this one, this one included
         # Landing buffers, one set per stage.
         self._inputs: boundary.Flat | None = None
         self._targets: boundary.Flat | None = None
@@ -155,7 +189,8 @@ class GraphedStage:
 
     def new_step(self) -> None:
         """A step begins: its replays start from the first pass again."""
-        self._next = 0
+        if self._group:
+            self._group.new_step()
 
     def forward(self, micro_batch: int, args: tuple, targets: tuple, kwargs: dict | None = None) -> tuple:
         """Replays the micro-batch's forward on copies of the inputs (any pytrees); returns copies of the output's
@@ -166,7 +201,7 @@ class GraphedStage:
     def replay(self, micro_batch: int, inputs: boundary.Flat, targets: boundary.Flat) -> tuple:
         """``forward`` on inputs and targets already taken apart."""
         if not self._graphs:
-            self._capture(inputs, targets)
+            type(self).capture([self], {self.stage: (inputs, targets)}, [(self.stage, *step) for step in self.passes])
         mismatch = self.mismatch(inputs, targets)
         if mismatch:
             raise ValueError(f"cuda_graphs: stage {self.stage}, micro-batch {micro_batch}: {mismatch}; CUDA graphs "
@@ -217,14 +252,7 @@ class GraphedStage:
         return self._returned_grads("W")
 
     def _launch(self, kind: str, micro_batch: int) -> None:
-        position = self._position.get((kind, micro_batch))
-        if position is None or position < self._next:
-            why = ("was not captured" if position is None else
-                   "comes out of the order its graphs were captured in, and would write over memory a later pass reads")
-            raise RuntimeError(f"cuda_graphs: stage {self.stage}'s {kind} pass of micro-batch {micro_batch} {why}; "
-                               f"the captured order: {' '.join(f'{k}{m}' for k, m in self.passes)}")
-        self._next = position + 1
-        self._graphs[(kind, micro_batch)].replay()
+        self._group.launch(self.stage, kind, micro_batch, self._graphs.get((kind, micro_batch)))
 
     def _returned_grads(self, kind: str) -> list | None:
         if self.accumulators:
@@ -252,42 +280,60 @@ class GraphedStage:
         self.output_layout = flat.layout
         return flat.tensors
 
-    def _capture(self, inputs: boundary.Flat, targets: boundary.Flat) -> None:
-        """Warm-up runs, then every pass's capture in order; with ``checked``, their replays against the last warm-up.
-        The module's buffers (batch norm's running statistics) are restored afterwards: these extra runs are no
-        training step's. On failure the current stream is restored and no graph is kept. A parameter's gradient hook
-        is refused: a replay would run its kernels as captured, not the hook."""
-        hook = gradient_hook(self.module)
-        if hook:
-            raise ValueError(f"cuda_graphs: stage {self.stage}'s {hook}, which a replay would not run; remove it, or "
-                             'leave cuda_graphs="auto", which runs such a stage eagerly')
-        device = inputs.tensors[0].device
+    @classmethod
+    def capture(cls, members: Sequence[GraphedStage], samples: dict[int, tuple[boundary.Flat, boundary.Flat]],
+                order: Sequence[tuple[int, str, int]]) -> None:
+        """Captures the passes of ``members`` (stages of one rank) together, on a micro-batch each (``samples``, by
+        stage: inputs and targets taken apart), in ``order`` (the rank's (stage, kind, micro-batch), the members' own
+        in the order they run) into one pool: what one stage holds while another's pass runs is then the pool's, as it
+        is eager's, and one stage's freed activations serve another's. Warm-up runs first, then every capture, then,
+        with ``checked``, each member's replays against its last warm-up. The modules' buffers (batch norm's running
+        statistics) are restored afterwards: these extra runs are no training step's. On failure the current stream
+        is restored and no member keeps a graph. A parameter's gradient hook is refused: a replay would run its
+        kernels as captured, not the hook."""
+        stages = {member.stage for member in members}
+        order = tuple(step for step in order if step[0] in stages)
+        for member in members:
+            member._prepare(*samples[member.stage])
+            if [(kind, micro_batch) for stage, kind, micro_batch in order if stage == member.stage] != list(
+                    member.passes):
+                raise ValueError(f"cuda_graphs: stage {member.stage}'s passes {member.passes} are not those of the "
+                                 "rank's order given for the capture")
+        device = samples[members[0].stage][0].tensors[0].device
         autocast = (
             torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
             if torch.is_autocast_enabled("cuda")
             else contextlib.nullcontext()
         )
-        self._signature = signature(inputs, targets)
-        self._inputs, self._targets = _static_copy(inputs), _static_copy(targets)
-        self._differentiable = [self.stage > 0 and tensor.requires_grad for tensor in inputs.tensors]
-        buffers = [(buffer, buffer.detach().clone()) for buffer in self.module.buffers()]
+        buffers = [(buffer, buffer.detach().clone()) for member in members for buffer in member.module.buffers()]
         stream, random_state = torch.cuda.current_stream(device), torch.cuda.get_rng_state(device)
-        accumulators = self.accumulators
+        warmed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by stage, ``_warmed_shared``
         try:
-            with accumulators.capturing(self.params) if accumulators else contextlib.nullcontext():
+            with contextlib.ExitStack() as capturing:
+                for member in members:
+                    if member.accumulators:
+                        capturing.enter_context(member.accumulators.capturing(member.params))
                 try:
                     # Warmed up on the stream the captures use, cuBLAS's workspace for it stays out of the pool.
                     side = torch.cuda.Stream(device)
-                    reference = self._warm_up(autocast, device, side)
-                    self._capture_passes(autocast, side)
-                    if self.checked:
-                        self._check_replays(reference, device)
+                    references, shared = {}, _shared(members)
+                    for member in members:
+                        references[member.stage] = member._warm_up(autocast, device, side, shared)
+                        warmed[member.stage] = member._warmed_shared(shared)
+                    cls._capture_passes(members, order, autocast, side)
+                    for member in members:
+                        if member.checked:
+                            for tensor, value in warmed[member.stage]:
+                                tensor.copy_(value)  # a later member's warm-up added into it too
+                            member._check_replays(references[member.stage], device)
                 except BaseException:
-                    if accumulators:
-                        accumulators.release(self.stage)
+                    for member in members:
+                        if member.accumulators:
+                            member.accumulators.release(member.stage)
                     raise
         except BaseException:
-            self._graphs, self.accumulated = {}, []
+            for member in members:
+                member._graphs, member.accumulated = {}, []
             torch.cuda.set_stream(stream)  # a failed capture leaves its own stream current
             _release_random_state(device, random_state)
             raise
@@ -295,8 +341,20 @@ class GraphedStage:
             with torch.no_grad():
                 for buffer, value in buffers:
                     buffer.copy_(value)
-        self._next = 0
-        self.record_state()
+        group = GraphGroup(order)
+        for member in members:
+            member._group = group
+            member.record_state()
+
+    def _prepare(self, inputs: boundary.Flat, targets: boundary.Flat) -> None:
+        """The landing buffers of the inputs and targets, from a micro-batch's; refuses a gradient hook."""
+        hook = gradient_hook(self.module)
+        if hook:
+            raise ValueError(f"cuda_graphs: stage {self.stage}'s {hook}, which a replay would not run; remove it, or "
+                             'leave cuda_graphs="auto", which runs such a stage eagerly')
+        self._signature = signature(inputs, targets)
+        self._inputs, self._targets = boundary.detached_copy(inputs), boundary.detached_copy(targets)
+        self._differentiable = [self.stage > 0 and tensor.requires_grad for tensor in inputs.tensors]
 
     def record_state(self) -> None:
         """What ``changed_since_capture`` compares against: the stage's state now."""
@@ -308,11 +366,16 @@ class GraphedStage:
         return [tensor.clone().requires_grad_(wanted) for tensor, wanted in zip(self._inputs.tensors,
                                                                                 self._differentiable)]
 
-    def _warm_up(self, autocast, device, side: torch.cuda.Stream) -> _Reference | None:
+    def _warm_up(self, autocast, device, side: torch.cuda.Stream, shared: set[int]) -> _Reference | None:
         """Eager runs on a side stream, then the landing buffers shaped by them; with ``checked``, the last run's
         results (outputs, input and parameter gradients, W's) for the probe gradients, and the random states its passes
-        began at. With accumulators, the first run (into empty ``.grad``s) shows which parameters get gradients, and
-        from which pass; those get accumulators, zeroed before each later run."""
+        began at. With accumulators, the first run (into empty ``.grad``s, ``shared`` parameters' too, which another
+        stage's warm-up may have given one) shows which parameters get gradients, and from which pass; those get
+        accumulators, zeroed before each later run."""
+        if self.accumulators:
+            for param in self.params:
+                if id(param) in shared:
+                    param.grad = None
         caller = torch.cuda.current_stream(device)
         side.wait_stream(caller)
         input_part: set[int] = set()
@@ -360,25 +423,39 @@ class GraphedStage:
                           None if self.accumulators else _detached(param_grads),
                           None if self.accumulators else _detached(weight_grads or []), largest, parts, states)
 
-    def _capture_passes(self, autocast, stream: torch.cuda.Stream) -> None:
-        """Each pass of ``passes`` captured in order into one pool; what a pass leaves for a later one stays alive in
-        ``held`` until that one's capture, and no longer, as eager would hold it."""
+    @staticmethod
+    def _warmed_shared(self, shared: set[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """With ``checked`` and accumulators, each accumulator of a ``shared`` parameter and a copy of what this stage's
+        warm-up left in it, which its check starts from; another stage's warm-up adds into it too."""
+        if not (self.checked and self.accumulators):
+            return []
+        return [(tensor, tensor.clone()) for param, tensor in zip(self.accumulated,
+                                                                  self.accumulators.tensors(self.accumulated))
+                if id(param) in shared]
+
+    @staticmethod
+    def _capture_passes(members: Sequence[GraphedStage], order: tuple[tuple[int, str, int], ...], autocast,
+                        stream: torch.cuda.Stream) -> None:
+        """Each pass of ``order`` captured in turn into one pool; what a pass leaves for a later one of its stage stays
+        alive in ``held`` until that one's capture, and no longer, as eager would hold it."""
         pool = torch.cuda.graph_pool_handle()
-        held: dict[int, _Captured] = {}
+        by_stage = {member.stage: member for member in members}
+        held: dict[int, dict[int, _Captured]] = {member.stage: {} for member in members}
         with autocast:
-            for kind, micro_batch in self.passes:
+            for stage, kind, micro_batch in order:
+                member, kept = by_stage[stage], held[stage]
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     if kind == "F":
-                        held[micro_batch] = self._captured_forward()
+                        kept[micro_batch] = member._captured_forward()
                     elif kind == "W":
-                        self._captured_weight_pass(held.pop(micro_batch))
+                        member._captured_weight_pass(kept.pop(micro_batch))
                     else:
-                        self._captured_input_pass(kind, held[micro_batch] if kind == "I" else held.pop(micro_batch))
-                self._graphs[(kind, micro_batch)] = graph
+                        member._captured_input_pass(kind, kept[micro_batch] if kind == "I" else kept.pop(micro_batch))
+                member._graphs[(kind, micro_batch)] = graph
                 if kind == "F":
                     # Sent on through the landing buffers: their memory goes back to the pool, as eager frees it.
-                    free_data(held_only_by_themselves(held[micro_batch].outputs))
+                    free_data(held_only_by_themselves(kept[micro_batch].outputs))
 
     def _captured_forward(self) -> _Captured:
         leaves = self._leaves()
@@ -531,6 +608,18 @@ class GraphedStage:
         return input_grads, [next(produced) if p.requires_grad else None for p in self.params]
 
 
+def _shared(members: Sequence[GraphedStage]) -> set[int]:
+    """The ids of the trainable parameters more than one of ``members`` holds (a tied embedding): their accumulators
+    take gradients from several stages' graphs."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for member in members:
+        mine = {id(param) for param in member.params if param.requires_grad}
+        shared |= seen & mine
+        seen |= mine
+    return shared
+
+
 def _release_random_state(device: torch.device, state: torch.Tensor) -> None:
     """The device's default generator as it was before a capture that failed: a capture that ends in an error leaves
     the generator's state marked as capturing, and every later random op would raise. A new state replaces it."""
@@ -625,8 +714,3 @@ def _off_zero(tensors: Sequence[torch.Tensor], largest: Sequence[torch.Tensor]) 
             return (f"parameter gradient {index}: largest difference {got:.3g} where the largest entry is "
                     f"{bound:.3g}")
     return None
-
-
-def _static_copy(values: boundary.Flat) -> boundary.Flat:
-    """Landing buffers holding copies of the tensors (no autograd history)."""
-    return values._replace(tensors=[tensor.detach().clone() for tensor in values.tensors])

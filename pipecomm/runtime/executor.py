@@ -17,7 +17,7 @@ from pipecomm.runtime.offload import ActivationOffloader
 from pipecomm.schedules.schedule import Action, Schedule, forward_schedule
 from pipecomm.schedules.validation import validate
 from pipecomm.runtime.split_backward import WeightGradStore
-from pipecomm.runtime.graph_gradients import GradientAccumulators
+from pipecomm.runtime.rank_graphs import RankGraphs
 from pipecomm.runtime.graph_runner import GraphRunner, make_runner
 from pipecomm.runtime.stage_runner import EagerStage
 from pipecomm.runtime.stage_transfers import StageTransfers
@@ -51,13 +51,13 @@ class StageExecutor:
         self.on_stage_backward_done = on_stage_backward_done
         self.device_timeline = device_timeline
         self.stages: dict[int, EagerStage] = {}
-        accumulators = GradientAccumulators()  # what the rank's graphed backwards add into
+        rank_graphs = RankGraphs(schedule, rank)  # what the rank's graphed stages share
         for stage, module in modules.items():
             loss = self._scaled_loss if stage == self.last_stage else None
             store = weight_grad_store if schedule.splits_backward(rank, stage) else None
             # Graphed ones are built (and the schedule checked) here, before any communication; captured at an F.
             self.stages[stage] = make_runner(module, sinks[stage], stage, loss, store, rank, schedule, cuda_graphs,
-                                             accumulators)
+                                             rank_graphs)
         self.timeline: list[tuple[float, float, Action]] = []
         self.offloader: ActivationOffloader | None = None
         self._reloads: dict[int, list] = {}  # action index -> the waits whose copies back start before it

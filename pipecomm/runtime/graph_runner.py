@@ -27,7 +27,7 @@ from pipecomm.runtime import boundary
 from pipecomm.runtime.checks import gradient_hook
 from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight, signature, signature_difference, stage_passes
 from pipecomm.runtime.gradient_sink import GradientSink
-from pipecomm.runtime.graph_gradients import GradientAccumulators
+from pipecomm.runtime.rank_graphs import RankGraphs, Sample, sample_of
 from pipecomm.runtime.split_backward import WeightGradStore
 from pipecomm.runtime.stage_runner import EagerStage
 from pipecomm.schedules.schedule import Schedule
@@ -110,26 +110,31 @@ class GraphRunner(EagerStage):
 
     def __init__(self, module: nn.Module, sink: GradientSink, index: int, scaled_loss: Callable | None,
                  weight_grad_store: WeightGradStore | None, rank: int, passes: tuple, automatic: bool,
-                 accumulators: GradientAccumulators):
+                 rank_graphs: RankGraphs):
         super().__init__(module, sink, index, scaled_loss, weight_grad_store, rank)
         self.passes = passes  # the stage's, in the schedule's order (``stage_passes``)
         self.automatic = automatic
-        self.accumulators = accumulators  # the rank's, which graphs of stages sharing a parameter share
-        self.graphed: GraphedStage | None = None if automatic else self._graphs()
+        self.rank_graphs = rank_graphs  # what this stage's graphs share with the rank's other stages'
+        self.accumulators = rank_graphs.accumulators
+        self.graphed: GraphedStage | None = None if automatic else self._graphs(None)
         self.off: str | None = None  # automatic: why this stage runs eagerly for good
         self.held = False  # automatic: no capture while held (``StageExecutor.hold_graphs``)
         self._watch = ShapeWatch()
         self._timer = PassTimer()  # the passes of a watched step, or of the trial step after a capture
         self._eager_ms: float | None = None  # a watched step's GPU time per pass
-        self._captured_now = False  # in this step
+        self._captured_at_start = False  # of this step: graphs captured in it make the next step a trial
         self._trial = False  # the graphs were captured in the last step: this one decides whether they stay
         self._captures = 0
         self._replayed: set[int] = set()  # this step's micro-batches that replay the graphs
         self._steps_unfit = 0  # consecutive steps none of whose micro-batches fit the graphs
+        self._sample: Sample | None = None  # automatic: a copy of a watched step's first micro-batch, to capture on
 
-    def _graphs(self) -> GraphedStage:
-        return GraphedStage(self.module, self.sink, self.passes, self.index, self.scaled_loss,
-                            self.weight_grad_store, checked=self.automatic, accumulators=self.accumulators)
+    def _graphs(self, sample: Sample | None) -> GraphedStage:
+        """Graphs to capture, with the rank's other stages waiting (``RankGraphs``), on ``sample`` if given."""
+        graphed = GraphedStage(self.module, self.sink, self.passes, self.index, self.scaled_loss,
+                               self.weight_grad_store, checked=self.automatic, accumulators=self.accumulators)
+        self.rank_graphs.join(graphed, sample)
+        return graphed
 
     @property
     def state(self) -> str:
@@ -150,6 +155,7 @@ class GraphRunner(EagerStage):
     def adopt_schedule(self, schedule: Schedule, weight_grad_store: WeightGradStore | None) -> None:
         super().adopt_schedule(schedule, weight_grad_store)
         self._drop()
+        self.rank_graphs.adopt(schedule)
         try:
             self.passes = stage_passes(schedule, self.rank, self.index)
         except ValueError as error:
@@ -158,7 +164,10 @@ class GraphRunner(EagerStage):
     def start(self, training: bool) -> None:
         super().start(training)
         self._replayed.clear()
+        self._sample = None
         graphed = self.graphed
+        self._captured_at_start = graphed is not None and graphed.captured
+        self.rank_graphs.new_step()
         if training and graphed is not None and graphed.captured:
             graphed.new_step()
             change = graphed.changed_since_capture()
@@ -192,7 +201,7 @@ class GraphRunner(EagerStage):
                         self._drop()
                         self.off = reason
                     else:
-                        self.graphed = self._graphs()
+                        self.graphed = self._graphs(self._sample)
         elif self.graphed.captured:
             if self._trial:
                 self._trial = False
@@ -203,7 +212,7 @@ class GraphRunner(EagerStage):
                     self.off = (f"replaying its CUDA graphs took the GPU {replayed:.3g} ms a pass against "
                                 f"{self._eager_ms:.3g} ms eager: the GPU, not the host, bounds it")  # nothing failed
                     return
-            self._trial, self._captured_now = self._captured_now, False
+            self._trial = not self._captured_at_start  # captured in this step (maybe at another stage's forward)
             self._steps_unfit = 0 if self._replayed else self._steps_unfit + 1
             if self._steps_unfit == 2:
                 self._drop()
@@ -231,12 +240,14 @@ class GraphRunner(EagerStage):
     def _drop(self) -> None:
         """The graphs and their memory let go; the watch starts again."""
         attempted = self.graphed is not None
+        if attempted:
+            self.rank_graphs.leave(self.graphed)
         self.graphed = None
         if attempted:
             self.accumulators.release(self.index)
             torch.cuda.empty_cache()  # a dropped graph's private pool stays cached, out of other allocations' reach
         self._steps_unfit = 0
-        self._watch, self._timer, self._trial, self._captured_now = ShapeWatch(), PassTimer(), False, False
+        self._watch, self._timer, self._trial = ShapeWatch(), PassTimer(), False
 
     def _give_up(self, reason: str) -> None:
         self._drop()
@@ -253,6 +264,8 @@ class GraphRunner(EagerStage):
         if graphed is None:
             if timing:  # watching
                 self._watch.see(args, kwargs, targets)
+                if self._sample is None and self._watch.steps_alike >= _STEPS_ALIKE - 1:  # a capture may follow
+                    self._sample = sample_of(boundary.flatten((args, kwargs)), boundary.flatten(targets))
             loss = super().forward(micro_batch, args, kwargs, received, targets)
         else:
             loss = self._graphed_forward(graphed, micro_batch, args, kwargs, received, targets)
@@ -263,21 +276,23 @@ class GraphRunner(EagerStage):
     def _graphed_forward(self, graphed: GraphedStage, micro_batch: int, args: tuple, kwargs: dict,
                          received: list[torch.Tensor], targets: tuple) -> torch.Tensor | None:
         inputs, target_leaves = boundary.flatten((args, kwargs)), boundary.flatten(targets)
+        if not graphed.captured:
+            try:
+                ready = self.rank_graphs.ready(graphed, inputs, target_leaves)  # captures and checks first
+            except Exception as error:  # noqa: BLE001 - whatever failed, the eager run below raises it if the model's
+                if not self.automatic:
+                    raise
+                message = str(error).strip().splitlines()
+                self._give_up(f"capturing its CUDA graphs failed ({type(error).__name__}: "
+                              f"{message[0] if message else 'no message'})")
+                return super().forward(micro_batch, args, kwargs, received, targets)
+            if not ready:  # waiting for another stage of the rank to have a micro-batch to capture on
+                return super().forward(micro_batch, args, kwargs, received, targets)
         if not self.automatic:
             return self._replayed_forward(micro_batch, graphed.replay(micro_batch, inputs, target_leaves))
-        if graphed.captured:
-            if graphed.mismatch(inputs, target_leaves):
-                return super().forward(micro_batch, args, kwargs, received, targets)
-            return self._replayed_forward(micro_batch, graphed.replay_fitting(micro_batch, inputs, target_leaves))
-        try:
-            outputs = graphed.replay(micro_batch, inputs, target_leaves)  # captures and checks first
-        except Exception as error:  # noqa: BLE001 - whatever failed, the eager run below raises it if it is the model's
-            message = str(error).strip().splitlines()
-            self._give_up(f"capturing its CUDA graphs failed ({type(error).__name__}: "
-                          f"{message[0] if message else 'no message'})")
+        if graphed.mismatch(inputs, target_leaves):
             return super().forward(micro_batch, args, kwargs, received, targets)
-        self._captured_now = True
-        return self._replayed_forward(micro_batch, outputs)
+        return self._replayed_forward(micro_batch, graphed.replay_fitting(micro_batch, inputs, target_leaves))
 
     def _replayed_forward(self, micro_batch: int, outputs: tuple) -> torch.Tensor | None:
         self._replayed.add(micro_batch)
@@ -348,7 +363,7 @@ def _free_bytes(params: list[nn.Parameter]) -> float:
 
 def make_runner(module: nn.Module, sink: GradientSink, index: int, scaled_loss: Callable | None,
                 weight_grad_store: WeightGradStore | None, rank: int, schedule: Schedule,
-                cuda_graphs: bool | str, accumulators: GradientAccumulators) -> EagerStage:
+                cuda_graphs: bool | str, rank_graphs: RankGraphs) -> EagerStage:
     """The runner of one stage: eager (``cuda_graphs`` False), graphed from the first step (True: a schedule whose
     passes the graphs cannot follow is refused here, before any communication), or adopting graphs when it can
     ("auto")."""
@@ -361,4 +376,4 @@ def make_runner(module: nn.Module, sink: GradientSink, index: int, scaled_loss: 
         if not automatic:
             raise
         return EagerStage(module, sink, index, scaled_loss, weight_grad_store, rank)
-    return GraphRunner(module, sink, index, scaled_loss, weight_grad_store, rank, passes, automatic, accumulators)
+    return GraphRunner(module, sink, index, scaled_loss, weight_grad_store, rank, passes, automatic, rank_graphs)
