@@ -423,7 +423,6 @@ class GraphedStage:
                           None if self.accumulators else _detached(param_grads),
                           None if self.accumulators else _detached(weight_grads or []), largest, parts, states)
 
-    @staticmethod
     def _warmed_shared(self, shared: set[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """With ``checked`` and accumulators, each accumulator of a ``shared`` parameter and a copy of what this stage's
         warm-up left in it, which its check starts from; another stage's warm-up adds into it too."""
