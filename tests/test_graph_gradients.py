@@ -182,3 +182,25 @@ def test_the_check_finds_a_pass_off_eager_without_copying_the_gradients(monkeypa
     else:
         with pytest.raises(cuda_graphs.GraphCheckError, match="parameter gradients the replays added up to the B pass"):
             graphed._check_replays(reference, torch.device("cpu"))
+
+
+def test_stages_captured_together_keep_their_own_warm_up_results_of_a_shared_parameter():
+    """Two stages of a rank holding one Linear, captured together: the shared weight and bias are found, and each
+    checked stage keeps a copy of what its own warm-up left in their accumulators (another stage's warm-up adds into
+    them after it), and of nothing else."""
+    from pipecomm.runtime import cuda_graphs
+    from pipecomm.runtime.gradient_sink import GradientSink
+    shared, own = nn.Linear(4, 4), nn.Linear(4, 2)
+    first, second = list(shared.parameters()), list(shared.parameters()) + list(own.parameters())
+    accumulators = _adopted(second)
+    stages = [cuda_graphs.GraphedStage(nn.Sequential(*layers), GradientSink(params, main_grad=False), [("F", 0)],
+                                       stage=stage, loss=None, checked=checked, accumulators=accumulators)
+              for stage, layers, params, checked in ((0, [shared], first, True), (1, [shared, own], second, False))]
+    for stage in stages:
+        stage.accumulated = stage.params
+    shared_ids = cuda_graphs._shared(stages)
+    assert shared_ids == {id(shared.weight), id(shared.bias)}
+    kept = stages[0]._warmed_shared(shared_ids)
+    assert [tensor.data_ptr() for tensor, _ in kept] == [t.data_ptr() for t in accumulators.tensors(first)]
+    assert all(torch.equal(tensor, copy) and not _shares_storage(tensor, copy) for tensor, copy in kept)
+    assert stages[1]._warmed_shared(shared_ids) == [], "an unchecked stage's capture keeps nothing"
