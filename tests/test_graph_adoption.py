@@ -280,8 +280,8 @@ def test_two_graphed_stages_sharing_a_parameter_add_into_one_accumulator(adoptio
 def test_a_ranks_stages_are_captured_together_and_replay_in_its_order(adoption, monkeypatch, schedule, cuda_graphs):
     """A rank holding two stages: both are captured together, into one order (``EagerGraphs`` asserts the replays
     keep it across the stages): with cuda_graphs=True at the second step's first forward (the first step runs
-    eagerly, each stage keeping a micro-batch to capture on), with "auto" at the first forward after the watch; exact
-    against one process every step."""
+    eagerly, each stage keeping a micro-batch to capture on, and zb-v is rebuilt for the costs it measured, which the
+    captures follow), with "auto" at the first forward after the watch; exact against one process every step."""
     GivenTimes.measurements[:] = [HOST_BOUND, HOST_BOUND, FASTER, FASTER]
     torch.manual_seed(0)
     stages = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))]
@@ -303,3 +303,7 @@ def test_a_ranks_stages_are_captured_together_and_replay_in_its_order(adoption, 
     assert pipe.cuda_graph_states == {0: "replaying", 1: "replaying"}
     runners = pipe._executor.stages
     assert runners[0].graphed._group is runners[1].graphed._group, "the stages were captured apart"
+    assert (pipe.planned_costs is not None) == (schedule == "zb-v"), "zb-v is rebuilt for its measured costs"
+    assert runners[0].graphed._group["order"] == [
+        (action.stage, action.kind, action.micro_batch) for action in pipe.schedule.actions[0]
+        if action.kind in "FBIW"], "the captures follow the schedule the rank runs"

@@ -154,8 +154,17 @@ class GraphRunner(EagerStage):
 
     def adopt_schedule(self, schedule: Schedule, weight_grad_store: WeightGradStore | None) -> None:
         super().adopt_schedule(schedule, weight_grad_store)
-        self._drop()
         self.rank_graphs.adopt(schedule)
+        if not self.automatic:
+            # cuda_graphs=True, before its capture only: a rank of several stages runs its first step eagerly, after
+            # which a zb-v is rebuilt for the measured costs. The graphs to capture follow the new order, on the
+            # micro-batch the old ones kept.
+            if self.graphed.captured:
+                raise RuntimeError(f"cuda_graphs=True: stage {self.index}'s schedule changed after its capture")
+            self.passes = stage_passes(schedule, self.rank, self.index)
+            self.graphed = self._graphs(self.rank_graphs.leave(self.graphed))
+            return
+        self._drop()
         try:
             self.passes = stage_passes(schedule, self.rank, self.index)
         except ValueError as error:

@@ -47,13 +47,16 @@ class RankGraphs:
         if sample is not None:
             self._samples[graphed.stage] = sample
 
-    def leave(self, graphed: GraphedStage) -> None:
-        """``graphed`` is let go: it waits no more, and its failure is forgotten."""
+    def leave(self, graphed: GraphedStage) -> Sample | None:
+        """``graphed`` is let go: it waits no more, and its failure is forgotten; returns the micro-batch it kept to
+        capture on, if any."""
+        sample = None
         if self._waiting.get(graphed.stage) is graphed:
             del self._waiting[graphed.stage]
-            self._samples.pop(graphed.stage, None)
+            sample = self._samples.pop(graphed.stage, None)
         if self._failed.get(graphed.stage, (None,))[0] is graphed:
             del self._failed[graphed.stage]
+        return sample
 
     def ready(self, graphed: GraphedStage, inputs: boundary.Flat, targets: boundary.Flat) -> bool:
         """Whether ``graphed`` (joined) has its graphs, at a forward of its stage on ``inputs`` and ``targets``: if
