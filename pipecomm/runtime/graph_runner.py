@@ -273,7 +273,8 @@ class GraphRunner(EagerStage):
         if graphed is None:
             if timing:  # watching
                 self._watch.see(args, kwargs, targets)
-                if self._sample is None and self._watch.steps_alike >= _STEPS_ALIKE - 1:  # a capture may follow
+                if self._sample is None and self._watch.steps_alike >= _STEPS_ALIKE - 1 and not self.held:
+                    # A capture may follow this step: a micro-batch to capture on.
                     self._sample = sample_of(boundary.flatten((args, kwargs)), boundary.flatten(targets))
             loss = super().forward(micro_batch, args, kwargs, received, targets)
         else:
