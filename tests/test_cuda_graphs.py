@@ -3,6 +3,7 @@ micro-batches in flight, in memory eager would hold."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -392,3 +393,85 @@ def test_two_stages_sharing_a_weight_captured_together_are_checked_and_exact():
                 expected[id(param)] += grad
     for param in everything:
         torch.testing.assert_close(param.grad, expected[id(param)], rtol=1e-4, atol=1e-5)
+
+
+class _StandInGraph:
+    """A CUDA graph on a CPU: its "capture" runs the pass once, eagerly; its replay does nothing."""
+
+    replays = 0
+
+    def replay(self):
+        _StandInGraph.replays += 1
+
+
+class _StandInStream:
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.fixture
+def stand_in_graphs(monkeypatch):
+    """``GraphedStage.capture`` runnable on a CPU: streams, the random state and graph captures stood in for, so that
+    every line of a capture and its check runs (a CPU never captures; only the GPU twins would meet an error there)."""
+    from pipecomm.runtime import cuda_graphs
+    cuda = torch.cuda
+    for name, value in [("Stream", lambda device=None: _StandInStream()),
+                        ("current_stream", lambda device=None: _StandInStream()),
+                        ("stream", lambda stream: contextlib.nullcontext()),
+                        ("set_stream", lambda stream: None),
+                        ("get_rng_state", lambda device=None: torch.get_rng_state()),
+                        ("set_rng_state", lambda state, device=None: None),
+                        ("graph_pool_handle", lambda: None),
+                        ("CUDAGraph", _StandInGraph),
+                        ("graph", lambda graph, **kwargs: contextlib.nullcontext())]:
+        monkeypatch.setattr(cuda, name, value)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None)
+    monkeypatch.setattr(cuda_graphs, "_release_random_state", lambda device, state: None)
+    monkeypatch.setattr(_StandInGraph, "replays", 0)
+
+
+def _tied_stages(checked: bool):
+    """Two stages of a rank holding one Linear, with the rank's accumulators, in a V over two micro-batches."""
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    modules = {1: nn.Sequential(shared, nn.Tanh()), 2: nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 8))}
+    order = [(1, "F", 0), (2, "F", 0), (1, "F", 1), (2, "B", 0), (2, "F", 1), (1, "B", 0), (2, "B", 1), (1, "B", 1)]
+    accumulators = GradientAccumulators()
+    stages = {stage: GraphedStage(module, GradientSink(list(module.parameters()), main_grad=False),
+                                  [(kind, m) for one, kind, m in order if one == stage], stage=stage, loss=None,
+                                  checked=checked, accumulators=accumulators) for stage, module in modules.items()}
+    samples = {stage: (boundary.flatten(((torch.randn(4, 8, requires_grad=True),), {})), boundary.flatten(()))
+               for stage in modules}
+    return stages, samples, order, accumulators, shared
+
+
+def test_a_capture_of_two_stages_together_runs_through_on_a_cpu(stand_in_graphs):
+    """With stand-in graphs: both stages get a graph per pass, one group in the rank's order, each stage's own
+    accumulators (the tied weight's one, added into by both), and every parameter's .grad as it was before."""
+    stages, samples, order, accumulators, shared = _tied_stages(checked=False)
+    kept = torch.full_like(shared.weight, 3.0)
+    shared.weight.grad = kept
+    GraphedStage.capture(list(stages.values()), samples, order)
+    assert all(set(stage._graphs) == set(stage.passes) for stage in stages.values())
+    assert stages[1]._group is stages[2]._group and stages[1]._group.order == tuple(order)
+    assert {id(p) for p in stages[1].accumulated} == {id(shared.weight), id(shared.bias)}
+    assert len(stages[2].accumulated) == 4
+    assert accumulators._held[id(shared.weight)].users == {1, 2}, "one accumulator for the tied weight, both add in"
+    assert torch.equal(shared.weight.grad, kept), "the capture's runs left the gradient a caller kept"
+    for stage in stages.values():
+        stage.new_step()
+    stages[1].forward(0, (samples[1][0].tensors[0],), ())
+    with pytest.raises(RuntimeError, match="stage 1's F pass of micro-batch 0 comes out of the order"):
+        stages[1].forward(0, (samples[1][0].tensors[0],), ())
+
+
+def test_a_capture_whose_check_fails_leaves_no_stage_graphed_on_a_cpu(stand_in_graphs):
+    """With stand-in graphs, whose replays do nothing: the check of the first stage finds its replays off eager (its
+    accumulators never cancel), and neither stage keeps graphs or accumulators."""
+    from pipecomm.runtime.cuda_graphs import GraphCheckError
+    stages, samples, order, accumulators, shared = _tied_stages(checked=True)
+    with pytest.raises(GraphCheckError, match="stage 1: "):
+        GraphedStage.capture(list(stages.values()), samples, order)
+    assert _StandInGraph.replays > 0
+    assert not any(stage.captured or stage.accumulated for stage in stages.values())
+    assert not accumulators.holds(shared.weight)
