@@ -3,7 +3,6 @@ micro-batches in flight, in memory eager would hold."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 
@@ -19,6 +18,7 @@ from pipecomm.schedules.schedule import make_schedule
 from pipecomm.runtime.split_backward import WeightGradStore, defer_linear_weight_grads
 from pipecomm.runtime.stage_runner import EagerStage
 from ranks import needs_cuda
+from stand_in_graphs import StandInGraph, stand_in_graphs
 
 
 @pytest.mark.parametrize(
@@ -395,41 +395,6 @@ def test_two_stages_sharing_a_weight_captured_together_are_checked_and_exact():
         torch.testing.assert_close(param.grad, expected[id(param)], rtol=1e-4, atol=1e-5)
 
 
-class _StandInGraph:
-    """A CUDA graph on a CPU: its "capture" runs the pass once, eagerly; its replay does nothing."""
-
-    replays = 0
-
-    def replay(self):
-        _StandInGraph.replays += 1
-
-
-class _StandInStream:
-    def wait_stream(self, other):
-        pass
-
-
-@pytest.fixture
-def stand_in_graphs(monkeypatch):
-    """``GraphedStage.capture`` runnable on a CPU: streams, the random state and graph captures stood in for, so that
-    every line of a capture and its check runs (a CPU never captures; only the GPU twins would meet an error there)."""
-    from pipecomm.runtime import cuda_graphs
-    cuda = torch.cuda
-    for name, value in [("Stream", lambda device=None: _StandInStream()),
-                        ("current_stream", lambda device=None: _StandInStream()),
-                        ("stream", lambda stream: contextlib.nullcontext()),
-                        ("set_stream", lambda stream: None),
-                        ("get_rng_state", lambda device=None: torch.get_rng_state()),
-                        ("set_rng_state", lambda state, device=None: None),
-                        ("graph_pool_handle", lambda: None),
-                        ("CUDAGraph", _StandInGraph),
-                        ("graph", lambda graph, **kwargs: contextlib.nullcontext())]:
-        monkeypatch.setattr(cuda, name, value)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None)
-    monkeypatch.setattr(cuda_graphs, "_release_random_state", lambda device, state: None)
-    monkeypatch.setattr(_StandInGraph, "replays", 0)
-
-
 def _tied_stages(checked: bool):
     """Two stages of a rank holding one Linear, with the rank's accumulators, in a V over two micro-batches."""
     torch.manual_seed(0)
@@ -445,10 +410,12 @@ def _tied_stages(checked: bool):
     return stages, samples, order, accumulators, shared
 
 
-def test_a_capture_of_two_stages_together_runs_through_on_a_cpu(stand_in_graphs):
-    """With stand-in graphs: both stages get a graph per pass, one group in the rank's order, each stage's own
-    accumulators (the tied weight's one, added into by both), and every parameter's .grad as it was before."""
-    stages, samples, order, accumulators, shared = _tied_stages(checked=False)
+def test_a_capture_of_two_stages_together_runs_through_on_a_cpu(monkeypatch):
+    """With stand-in graphs (tests/stand_in_graphs.py), checked: both stages get a graph per pass, one group in the
+    rank's order, each stage's own accumulators (the tied weight's one, added into by both), and every parameter's
+    .grad as it was before."""
+    stand_in_graphs(monkeypatch)
+    stages, samples, order, accumulators, shared = _tied_stages(checked=True)
     kept = torch.full_like(shared.weight, 3.0)
     shared.weight.grad = kept
     GraphedStage.capture(list(stages.values()), samples, order)
@@ -465,13 +432,14 @@ def test_a_capture_of_two_stages_together_runs_through_on_a_cpu(stand_in_graphs)
         stages[1].forward(0, (samples[1][0].tensors[0],), ())
 
 
-def test_a_capture_whose_check_fails_leaves_no_stage_graphed_on_a_cpu(stand_in_graphs):
-    """With stand-in graphs, whose replays do nothing: the check of the first stage finds its replays off eager (its
-    accumulators never cancel), and neither stage keeps graphs or accumulators."""
+def test_a_capture_whose_check_fails_leaves_no_stage_graphed_on_a_cpu(monkeypatch):
+    """With stand-in graphs whose replays do nothing (stale graphs): the check of the first stage finds its replays
+    off eager, and neither stage keeps graphs or accumulators."""
     from pipecomm.runtime.cuda_graphs import GraphCheckError
+    stand_in_graphs(monkeypatch, inert=True)
     stages, samples, order, accumulators, shared = _tied_stages(checked=True)
     with pytest.raises(GraphCheckError, match="stage 1: "):
         GraphedStage.capture(list(stages.values()), samples, order)
-    assert _StandInGraph.replays > 0
+    assert StandInGraph.replays > 0
     assert not any(stage.captured or stage.accumulated for stage in stages.values())
     assert not accumulators.holds(shared.weight)

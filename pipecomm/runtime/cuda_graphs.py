@@ -444,17 +444,22 @@ class GraphedStage:
             for stage, kind, micro_batch in order:
                 member, kept = by_stage[stage], held[stage]
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    if kind == "F":
-                        kept[micro_batch] = member._captured_forward()
-                    elif kind == "W":
-                        member._captured_weight_pass(kept.pop(micro_batch))
-                    else:
-                        member._captured_input_pass(kind, kept[micro_batch] if kind == "I" else kept.pop(micro_batch))
+                _capture_into(graph, member._pass(kind, micro_batch, kept), pool, stream)
                 member._graphs[(kind, micro_batch)] = graph
                 if kind == "F":
                     # Sent on through the landing buffers: their memory goes back to the pool, as eager frees it.
                     free_data(held_only_by_themselves(kept[micro_batch].outputs))
+
+    def _pass(self, kind: str, micro_batch: int, held: dict[int, _Captured]) -> Callable[[], None]:
+        """The pass of ``kind`` for ``micro_batch``, to capture: a forward leaves what its backward reads in ``held``,
+        an I (which W reads after it) and W take it from there."""
+        if kind == "F":
+            def forward() -> None:
+                held[micro_batch] = self._captured_forward()
+            return forward
+        if kind == "W":
+            return lambda: self._captured_weight_pass(held.pop(micro_batch))
+        return lambda: self._captured_input_pass(kind, held[micro_batch] if kind == "I" else held.pop(micro_batch))
 
     def _captured_forward(self) -> _Captured:
         leaves = self._leaves()
@@ -605,6 +610,12 @@ class GraphedStage:
         produced = iter(grads)
         input_grads = [next(produced) if t.requires_grad else None for t in inputs]
         return input_grads, [next(produced) if p.requires_grad else None for p in self.params]
+
+
+def _capture_into(graph: torch.cuda.CUDAGraph, run: Callable[[], None], pool, stream: torch.cuda.Stream) -> None:
+    """``run``'s kernels captured into ``graph``, its memory from ``pool``."""
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        run()
 
 
 def _shared(members: Sequence[GraphedStage]) -> set[int]:

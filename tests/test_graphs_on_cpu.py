@@ -1,0 +1,66 @@
+"""The real ``GraphedStage`` under a Pipeline on a CPU, its graphs stood in for (tests/stand_in_graphs.py): captures,
+landing buffers, the replay order, the accumulators and the check, on every schedule, with cuda_graphs=True and with
+"auto", a rank's stages captured together; exact against one process. The graphs themselves are the GPU twins'."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pipecomm
+from pipecomm.runtime import graph_runner
+from stand_in_graphs import StandInGraph, stand_in_graphs
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+class _HostBound:
+    """``PassTimer`` on a CPU: every watched pass host-bound, every replayed one faster, so "auto" captures and keeps
+    its graphs."""
+
+    largest_growth = 1 << 20  # bytes a forward left allocated
+    watched = True
+
+    def start(self):
+        return None
+
+    def stop(self, started):
+        pass
+
+    def per_pass_ms(self):
+        return (1.0, 0.95) if _HostBound.watched else (0.3, 0.1)
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, "auto"])
+@pytest.mark.parametrize(("schedule", "stages"), [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1),
+                                                  ("interleaved-1f1b", 2), ("zb-v", 2)])
+def test_graphed_stages_train_as_one_process(monkeypatch, schedule, stages, cuda_graphs):
+    """Six steps of a one-rank Pipeline whose stages replay stand-in graphs; with two stages on the rank, a Linear
+    tied across them. Losses and gradients equal one process's every step, and every stage ends replaying."""
+    stand_in_graphs(monkeypatch)
+    monkeypatch.setattr(graph_runner, "PassTimer", _HostBound)
+    monkeypatch.setattr(_HostBound, "watched", True)
+    # "auto" passes the Pipeline's check of a CPU device; the runners get the mode asked for.
+    monkeypatch.setattr(pipecomm.pipeline, "graph_mode", lambda *args, **kwargs: cuda_graphs)
+    torch.manual_seed(0)
+    tied = nn.Linear(8, 8)
+    modules = ([nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))] if stages == 1 else
+               [nn.Sequential(tied, nn.Tanh(), nn.Linear(8, 8)), nn.Sequential(nn.Tanh(), tied, nn.Linear(8, 4))])
+    reference = copy.deepcopy(nn.Sequential(*modules))
+    pipe = pipecomm.Pipeline(modules if stages > 1 else modules[0], stage=list(range(stages)) if stages > 1 else 0,
+                             num_stages=stages, micro_batches=4, loss_fn=nn.functional.mse_loss, schedule=schedule)
+    for step in range(6):
+        x, y = torch.randn(16, 8), torch.randn(16, 4)
+        loss = pipe.step(x, target=y)
+        expected = sum(nn.functional.mse_loss(reference(a), b) / 4 for a, b in zip(x.chunk(4), y.chunk(4)))
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), **TOLERANCE)
+        for param, ref in zip(nn.Sequential(*modules).parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, ref.grad, **TOLERANCE, msg=f"step {step}")
+            param.grad = ref.grad = None
+        _HostBound.watched = set(pipe.cuda_graph_states.values()) != {"replaying"}
+    assert set(pipe.cuda_graph_states.values()) == {"replaying"}, pipe.cuda_graph_states
+    assert StandInGraph.replays > 0
