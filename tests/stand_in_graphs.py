@@ -15,18 +15,27 @@ from pipecomm.runtime import cuda_graphs
 
 
 class StandInGraph:
-    """A graph whose replay runs its captured pass again (or, with ``inert``, does nothing: a stale graph)."""
+    """A graph whose replay runs its captured pass again (or, with ``inert``, does nothing: a stale graph). A real
+    replay writes where its capture's kernels wrote: a replay writing other tensors that existed before it, or not
+    the same ones, is refused (a gradient added into a ``.grad`` other than the accumulator captured)."""
 
     inert = False
     replays = 0
 
     def __init__(self) -> None:
         self.run = None
+        self.written: set[int] = set()  # the storages the capture's run wrote that existed before it
 
     def replay(self) -> None:
         StandInGraph.replays += 1
-        if not StandInGraph.inert:
+        if StandInGraph.inert:
+            return
+        writes = _Writes(keep=False)
+        with writes:
             self.run()
+        assert writes.written == self.written, (
+            f"a replay wrote {len(writes.written - self.written)} tensors its capture did not, and not "
+            f"{len(self.written - writes.written)} it did: a real graph writes where it was captured")
 
 
 class _StandInStream:
@@ -34,11 +43,14 @@ class _StandInStream:
         pass
 
 
-class _WritesUndone(TorchDispatchMode):
-    """Saves each tensor that existed before the run, at its first write in it; ``undo`` puts them back."""
+class _Writes(TorchDispatchMode):
+    """The storages a run writes that existed before it; with ``keep``, a copy of each tensor so written, taken at
+    its first write, which ``undo`` puts back."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool) -> None:
         super().__init__()
+        self.keep = keep
+        self.written: set[int] = set()
         self._made: set[int] = set()  # storages the run allocated
         self._saved: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -50,11 +62,13 @@ class _WritesUndone(TorchDispatchMode):
                 continue
             value = args[index] if index < len(args) else kwargs.get(argument.name)
             for tensor in tree_leaves(value):
-                if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in self._made:
-                    key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-                           tuple(tensor.stride()))
-                    if key not in self._saved:
-                        self._saved[key] = (tensor, tensor.clone())
+                storage = tensor.untyped_storage().data_ptr() if isinstance(tensor, torch.Tensor) else None
+                if storage is None or storage in self._made:
+                    continue
+                self.written.add(storage)
+                key = (storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+                if self.keep and key not in self._saved:
+                    self._saved[key] = (tensor, tensor.clone())
         result = func(*args, **kwargs)
         if all(returned.alias_info is None for returned in schema.returns):  # a new allocation, not a view
             for tensor in tree_leaves(result):
@@ -69,11 +83,13 @@ class _WritesUndone(TorchDispatchMode):
 
 
 def _capture_into(graph: StandInGraph, run, pool, stream) -> None:
+    """A capture records kernels and runs none: the run's writes into what existed before it are undone."""
     graph.run = run
-    writes = _WritesUndone()
+    writes = _Writes(keep=True)
     with writes:
         run()
     writes.undo()
+    graph.written = writes.written
 
 
 def stand_in_graphs(monkeypatch, inert: bool = False) -> None:
