@@ -34,13 +34,11 @@ class _HostBound:
         return (1.0, 0.95) if _HostBound.watched else (0.3, 0.1)
 
 
-@pytest.mark.parametrize("cuda_graphs", [True, "auto"])
-@pytest.mark.parametrize(("schedule", "stages"), [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1),
-                                                  ("interleaved-1f1b", 2), ("zb-v", 2)])
-def test_graphed_stages_train_as_one_process(monkeypatch, schedule, stages, cuda_graphs):
-    """Six steps of a one-rank Pipeline whose stages replay stand-in graphs; with two stages on the rank, a Linear
-    tied across them. Losses and gradients equal one process's every step, and every stage ends replaying."""
-    stand_in_graphs(monkeypatch)
+def _train(monkeypatch, schedule: str, stages: int, cuda_graphs, steps: int = 6,
+           zero_grad: bool = True) -> pipecomm.Pipeline:
+    """``steps`` steps of a one-rank Pipeline whose stages replay stand-in graphs (with two stages on the rank, a
+    Linear tied across them), losses and gradients equal one process's every step (without ``zero_grad``, summed
+    over the steps); the Pipeline."""
     monkeypatch.setattr(graph_runner, "PassTimer", _HostBound)
     monkeypatch.setattr(_HostBound, "watched", True)
     # "auto" passes the Pipeline's check of a CPU device; the runners get the mode asked for.
@@ -52,7 +50,7 @@ def test_graphed_stages_train_as_one_process(monkeypatch, schedule, stages, cuda
     reference = copy.deepcopy(nn.Sequential(*modules))
     pipe = pipecomm.Pipeline(modules if stages > 1 else modules[0], stage=list(range(stages)) if stages > 1 else 0,
                              num_stages=stages, micro_batches=4, loss_fn=nn.functional.mse_loss, schedule=schedule)
-    for step in range(6):
+    for step in range(steps):
         x, y = torch.randn(16, 8), torch.randn(16, 4)
         loss = pipe.step(x, target=y)
         expected = sum(nn.functional.mse_loss(reference(a), b) / 4 for a, b in zip(x.chunk(4), y.chunk(4)))
@@ -60,7 +58,39 @@ def test_graphed_stages_train_as_one_process(monkeypatch, schedule, stages, cuda
         torch.testing.assert_close(loss, expected.detach(), **TOLERANCE)
         for param, ref in zip(nn.Sequential(*modules).parameters(), reference.parameters()):
             torch.testing.assert_close(param.grad, ref.grad, **TOLERANCE, msg=f"step {step}")
-            param.grad = ref.grad = None
+            if zero_grad:
+                param.grad = ref.grad = None
         _HostBound.watched = set(pipe.cuda_graph_states.values()) != {"replaying"}
+    return pipe
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, "auto"])
+@pytest.mark.parametrize(("schedule", "stages"), [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1),
+                                                  ("interleaved-1f1b", 2), ("zb-v", 2)])
+def test_graphed_stages_train_as_one_process(monkeypatch, schedule, stages, cuda_graphs):
+    """Six steps, exact every step (``_train``), and every stage ends replaying."""
+    stand_in_graphs(monkeypatch)
+    pipe = _train(monkeypatch, schedule, stages, cuda_graphs)
     assert set(pipe.cuda_graph_states.values()) == {"replaying"}, pipe.cuda_graph_states
     assert StandInGraph.replays > 0
+
+
+@pytest.mark.parametrize(("schedule", "stages"), [("zb-h1", 1), ("zb-v", 2)])
+def test_graphed_gradients_add_up_over_steps_without_zero_grad(monkeypatch, schedule, stages):
+    """cuda_graphs=True, .grad never zeroed: the replays' accumulators go on adding, as eager .grad does."""
+    stand_in_graphs(monkeypatch)
+    pipe = _train(monkeypatch, schedule, stages, True, zero_grad=False)
+    assert set(pipe.cuda_graph_states.values()) == {"replaying"}
+
+
+def test_a_failed_check_of_stages_captured_together_leaves_both_eager(monkeypatch):
+    """"auto" on a rank of two stages whose graphs replay stale (stand-ins that do nothing): the check of the capture
+    they share fails, both stages run eagerly from then on, each with one warning saying why, and every step stays
+    exact."""
+    stand_in_graphs(monkeypatch, inert=True)
+    with pytest.warns(UserWarning, match="runs eagerly from now on: capturing its CUDA graphs failed") as caught:
+        pipe = _train(monkeypatch, "zb-v", 2, "auto", steps=5)
+    states = pipe.cuda_graph_states
+    assert all(state.startswith("eager: capturing its CUDA graphs failed (GraphCheckError: stage 0") for state in
+               states.values()), states
+    assert sum("runs eagerly from now on" in str(warning.message) for warning in caught) == 2

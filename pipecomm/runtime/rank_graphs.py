@@ -35,6 +35,7 @@ class RankGraphs:
         self._waited_in_step = False  # a waiting stage ran a forward eagerly in this step
 
     def new_step(self) -> None:
+        """A step begins: nothing ran eagerly in it yet."""
         self._waited_in_step = False
 
     def adopt(self, schedule: Schedule) -> None:
@@ -66,10 +67,10 @@ class RankGraphs:
         if graphed.captured:
             return True
         stage = graphed.stage
-        self._waiting.setdefault(stage, graphed)
         failed = self._failed.get(stage)
         if failed is not None and failed[0] is graphed:
             raise failed[1]
+        self._waiting.setdefault(stage, graphed)
         if self._waited_in_step or any(other not in self._samples for other in self._waiting if other != stage):
             self._samples.setdefault(stage, sample_of(inputs, targets))
             self._waited_in_step = True
