@@ -13,6 +13,7 @@ from torch import nn
 
 from models import MaskedBlock
 from ranks import held_stages, needs_cuda, rank_device, run_ranks
+from stand_in_graphs import stand_in_graphs
 
 import pipecomm
 from pipecomm.schedules.schedule import forward_schedule
@@ -70,15 +71,24 @@ def reference_grads(stages: list[nn.Module], seed: int):
 
 def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_batches: int, kind: str,
                 transport: str = "auto") -> str:
-    """The pipeline (on CPU, or on GPUs through CUDA IPC, eager or replaying CUDA graphs) against the unsplit model
-    on this process's CPU."""
+    """The pipeline (on CPU, or on GPUs through CUDA IPC, eager or replaying CUDA graphs, or on CPU replaying
+    stand-in graphs from the first step: tests/stand_in_graphs.py) against the unsplit model on this process's CPU."""
+    with pytest.MonkeyPatch.context() as patches:
+        if kind == "cpu-graphs":
+            stand_in_graphs(patches)
+            patches.setattr(pipecomm.pipeline, "graph_mode", lambda *args, **kwargs: True)
+        return _equivalence(rank, world_size, schedule, virtual, micro_batches, kind, transport)
+
+
+def _equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_batches: int, kind: str,
+                 transport: str) -> str:
     num_stages = world_size * virtual
-    device = rank_device(rank, "cuda" if kind.startswith("cuda") else kind)
+    device = rank_device(rank, kind.split("-")[0])
     stages = build_stages(num_stages)
     reference = copy.deepcopy(stages)
     for module in stages:
         module.to(device)
-    tolerance = dict(rtol=1e-5, atol=1e-6) if kind == "cpu" else dict(rtol=1e-4, atol=1e-5)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if kind.startswith("cpu") else dict(rtol=1e-4, atol=1e-5)
     mine = held_stages(schedule, world_size, micro_batches, virtual, rank)
     modules = [stages[s] for s in mine]
     pipe = pipecomm.Pipeline(
@@ -110,6 +120,8 @@ def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_b
         ref_optimizer.zero_grad()
     for param, ref_param in zip(params, ref_params):
         torch.testing.assert_close(param.detach().cpu(), ref_param.detach(), **tolerance)
+    if kind == "cpu-graphs":
+        assert set(pipe.cuda_graph_states.values()) == {"replaying"}, pipe.cuda_graph_states
     pipe.close()
     return schedule
 
@@ -136,6 +148,12 @@ def equivalence(rank: int, world_size: int, schedule: str, virtual: int, micro_b
         pytest.param("1f1b", 2, 1, 4, "cuda", marks=needs_cuda),
         pytest.param("zb-h1", 2, 1, 4, "cuda", marks=needs_cuda),
         pytest.param("interleaved-1f1b", 2, 2, 4, "cuda", marks=needs_cuda),
+        ("gpipe", 2, 1, 4, "cpu-graphs"),
+        ("1f1b", 2, 1, 4, "cpu-graphs"),
+        ("interleaved-1f1b", 2, 2, 4, "cpu-graphs"),
+        ("zb-h1", 2, 1, 4, "cpu-graphs"),
+        ("zb-h2", 2, 1, 4, "cpu-graphs"),
+        ("zb-v", 2, 2, 4, "cpu-graphs"),
         pytest.param("gpipe", 2, 1, 4, "cuda-graphs", marks=needs_cuda),
         pytest.param("1f1b", 2, 1, 4, "cuda-graphs", marks=needs_cuda),
         pytest.param("interleaved-1f1b", 2, 2, 4, "cuda-graphs", marks=needs_cuda),
