@@ -6,12 +6,13 @@ dtypes and times its passes (``PassTimer``). After two steps alike it captures a
 pass in under ``_HOST_SHARE`` of its GPU span (the GPU bounds the stage: graphs would save nothing and cost their
 memory pool), or unless the capture would take more than ``_MEMORY_SHARE`` of the device memory left (the pool holds
 what the stage holds at its peak in a step, beside the eager warm-up's); every captured pass's first replay must equal
-an eager run of the same micro-batch. The step after the capture is a trial: the graphs stay only if a replayed pass
-took the GPU under ``_KEEP_BELOW`` of an eager one. Then every micro-batch that fits replays and any other (a short last
-batch) runs eagerly; a step that none fits, twice in a row, or a change the graphs cannot see
-(``GraphedStage.changed_since_capture``) drops the graphs, and the watch starts again. A failed capture or check, shapes
-that never hold still, or more captures than ``_CAPTURES`` leave the stage eager for good, with a one-line warning
-saying why.
+an eager run of the same micro-batch. The rank's stages that are to capture are captured together, into one pool
+(``rank_graphs``), on a micro-batch each kept from the watched step. The step after the capture is a trial: the graphs
+stay only if a replayed pass took the GPU under ``_KEEP_BELOW`` of an eager one. Then every micro-batch that fits
+replays and any other (a short last batch) runs eagerly; a step that none fits, twice in a row, or a change the graphs
+cannot see (``GraphedStage.changed_since_capture``) drops the graphs, and the watch starts again. A failed capture or
+check, shapes that never hold still, or more captures than ``_CAPTURES`` leave the stage eager for good, with a
+one-line warning saying why.
 """
 
 from __future__ import annotations
