@@ -144,10 +144,8 @@ class Pipeline:
                           device_timing=device_timing, main_grad=main_grad, offload=offload)
             cuda_graphs = graph_mode(cuda_graphs, self.device, modules, sharded=bool(sharded), offload=offload,
                                      recompute=recompute)
-            # cuda_graphs=True captures at the first step, but where each rank holds several stages (zb-v) at the
-            # second: the first, eager, can time the passes for the order the graphs will capture.
-            refit = (isinstance(schedule, str) and built_for_costs(schedule)
-                     and (cuda_graphs is not True or starting.stages_per_rank > 1))
+            # With cuda_graphs=True too: the first step runs eagerly, timed, and the graphs capture the rebuilt order.
+            refit = isinstance(schedule, str) and built_for_costs(schedule)
             timed_on_device = device_timing or ((auto or refit or offload is True) and self.device.type == "cuda")
             self._prepared = PreparedStages(
                 starting, self.rank, self.modules, sharded, loss_fn, self._links.channels, main_grad=main_grad,

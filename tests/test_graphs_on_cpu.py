@@ -68,9 +68,14 @@ def _train(monkeypatch, schedule: str, stages: int, cuda_graphs, steps: int = 6,
 @pytest.mark.parametrize(("schedule", "stages"), [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1),
                                                   ("interleaved-1f1b", 2), ("zb-v", 2)])
 def test_graphed_stages_train_as_one_process(monkeypatch, schedule, stages, cuda_graphs):
-    """Six steps, exact every step (``_train``), and every stage ends replaying."""
+    """Six steps, exact every step (``_train``), and every stage ends replaying, captured in the order of the
+    schedule it runs (zb-h2 and zb-v rebuilt for the costs their first step measured, with cuda_graphs=True too)."""
     stand_in_graphs(monkeypatch)
     pipe = _train(monkeypatch, schedule, stages, cuda_graphs)
+    assert (pipe.planned_costs is not None) == (schedule in ("zb-h2", "zb-v")), "rebuilt for the measured costs"
+    group = pipe._executor.stages[0].graphed._group
+    assert group.order == tuple((action.stage, action.kind, action.micro_batch) for action in pipe.schedule.actions[0]
+                                if action.kind in "FBIW"), "the captures follow the schedule the rank runs"
     assert set(pipe.cuda_graph_states.values()) == {"replaying"}, pipe.cuda_graph_states
     assert StandInGraph.replays > 0
 

@@ -79,8 +79,9 @@ class StageExecutor:
         self.set_offload(None, {})  # an offload plan is one schedule's
 
     def hold_graphs(self, held: bool) -> None:
-        """While ``held``, stages adopting CUDA graphs by themselves (``cuda_graphs="auto"``) run eagerly: the steps
-        being measured for a schedule must not pay a capture, nor some be graphed and others not."""
+        """While ``held``, graphed stages not captured yet run eagerly: the steps being measured for a schedule must
+        not pay a capture, nor some be graphed and others not, and graphs captured in them would follow the order
+        they are measured for."""
         for runner in self.stages.values():
             if isinstance(runner, GraphRunner):
                 runner.held = held

@@ -119,7 +119,7 @@ class GraphRunner(EagerStage):
         self.accumulators = rank_graphs.accumulators
         self.graphed: GraphedStage | None = None if automatic else self._graphs(None)
         self.off: str | None = None  # automatic: why this stage runs eagerly for good
-        self.held = False  # automatic: no capture while held (``StageExecutor.hold_graphs``)
+        self.held = False  # no capture while held (``StageExecutor.hold_graphs``)
         self._watch = ShapeWatch()
         self._timer = PassTimer()  # the passes of a watched step, or of the trial step after a capture
         self._eager_ms: float | None = None  # a watched step's GPU time per pass
@@ -157,9 +157,9 @@ class GraphRunner(EagerStage):
         super().adopt_schedule(schedule, weight_grad_store)
         self.rank_graphs.adopt(schedule)
         if not self.automatic:
-            # cuda_graphs=True, before its capture only: a rank of several stages runs its first step eagerly, after
-            # which a zb-v is rebuilt for the measured costs. The graphs to capture follow the new order, on the
-            # micro-batch the old ones kept.
+            # cuda_graphs=True, before its capture only: a zb-h2 or zb-v asked for by name runs its first step
+            # eagerly (held), timed, and is rebuilt for the measured costs. The graphs to capture follow the new
+            # order, on the micro-batch the old ones kept.
             if self.graphed.captured:
                 raise RuntimeError(f"cuda_graphs=True: stage {self.index}'s schedule changed after its capture")
             self.passes = stage_passes(schedule, self.rank, self.index)
@@ -289,7 +289,7 @@ class GraphRunner(EagerStage):
         inputs, target_leaves = boundary.flatten((args, kwargs)), boundary.flatten(targets)
         if not graphed.captured:
             try:
-                ready = self.rank_graphs.ready(graphed, inputs, target_leaves)  # captures and checks first
+                ready = self.rank_graphs.ready(graphed, inputs, target_leaves, self.held)  # captures, checks
             except Exception as error:  # noqa: BLE001 - whatever failed, the eager run below raises it if the model's
                 if not self.automatic:
                     raise
@@ -297,7 +297,7 @@ class GraphRunner(EagerStage):
                 self._give_up(f"capturing its CUDA graphs failed ({type(error).__name__}: "
                               f"{message[0] if message else 'no message'})")
                 return super().forward(micro_batch, args, kwargs, received, targets)
-            if not ready:  # waiting for another stage of the rank to have a micro-batch to capture on
+            if not ready:  # held, or waiting for another stage of the rank to have a micro-batch to capture on
                 return super().forward(micro_batch, args, kwargs, received, targets)
         if not self.automatic:
             return self._replayed_forward(micro_batch, graphed.replay(micro_batch, inputs, target_leaves))

@@ -59,11 +59,12 @@ class RankGraphs:
             del self._failed[graphed.stage]
         return sample
 
-    def ready(self, graphed: GraphedStage, inputs: boundary.Flat, targets: boundary.Flat) -> bool:
+    def ready(self, graphed: GraphedStage, inputs: boundary.Flat, targets: boundary.Flat, held: bool) -> bool:
         """Whether ``graphed`` (joined) has its graphs, at a forward of its stage on ``inputs`` and ``targets``: if
-        every other waiting stage has a micro-batch and none ran eagerly in this step, all are captured now; if not, a
-        copy of this one is kept for a later step, and the forward runs eagerly. Raises a failed capture's error, at
-        this forward and at the first of each other stage captured with it."""
+        every other waiting stage has a micro-batch, none ran eagerly in this step and the captures are not ``held``
+        (a step measured for the schedule), all are captured now; if not, a copy of this one is kept for a later step,
+        and the forward runs eagerly. Raises a failed capture's error, at this forward and at the first of each other
+        stage captured with it."""
         if graphed.captured:
             return True
         stage = graphed.stage
@@ -71,7 +72,7 @@ class RankGraphs:
         if failed is not None and failed[0] is graphed:
             raise failed[1]
         self._waiting.setdefault(stage, graphed)
-        if self._waited_in_step or any(other not in self._samples for other in self._waiting if other != stage):
+        if held or self._waited_in_step or any(other not in self._samples for other in self._waiting if other != stage):
             self._samples.setdefault(stage, sample_of(inputs, targets))
             self._waited_in_step = True
             return False
