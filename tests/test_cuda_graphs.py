@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from pipecomm.runtime import boundary
-from pipecomm.runtime.cuda_graphs import GraphedStage, GraphGroup, in_flight, stage_passes
+from pipecomm.runtime.cuda_graphs import GraphedStage
+from pipecomm.runtime.graph_order import GraphGroup, in_flight, stage_passes
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.schedules.schedule import make_schedule

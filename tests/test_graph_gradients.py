@@ -143,7 +143,7 @@ def test_the_check_finds_a_pass_off_eager_without_copying_the_gradients(monkeypa
     """The check of replays that add into accumulators, in the captured order: micro-batches take the probe negated
     and not by turns, and the accumulators must be about zero after each negated one; with an even count a second
     round checks the last. A micro-batch computing with a stale weight, first or last, is found; right ones pass."""
-    from pipecomm.runtime import boundary, cuda_graphs
+    from pipecomm.runtime import boundary, cuda_graphs, graph_order
     from pipecomm.runtime.gradient_sink import GradientSink
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: None)
     torch.manual_seed(0)
@@ -172,7 +172,7 @@ def test_the_check_finds_a_pass_off_eager_without_copying_the_gradients(monkeypa
         {id(p): {"input"} for p in params}, [None] * 3)
     stale_micro_batch = micro_batches - 1 if stale == "last" else stale
     graphed._graphs = _eager_graphs(graphed, module, lambda param: by_id[id(param)], stale_micro_batch)
-    graphed._group = cuda_graphs.GraphGroup([(1, *step) for step in passes])
+    graphed._group = graph_order.GraphGroup([(1, *step) for step in passes])
     if stale_micro_batch is None:
         graphed._check_replays(reference, torch.device("cpu"))
         graphed.new_step()

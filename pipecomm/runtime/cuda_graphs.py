@@ -7,9 +7,9 @@ that order every step. Each capture meets the allocator as eager would at that p
 what eager holds at its peak: a micro-batch's activations are freed at its backward (at its I, but for W's operands)
 and later passes reuse them. A rank's stages (zb-v's two) are captured together, their passes interleaved as the rank
 runs them, into one pool (``GraphedStage.capture``; ``rank_graphs`` gathers them): the pool then holds the rank's
-peak, not each stage's own added up. That is also why the order is enforced (``GraphGroup``): a replay out of it would
-write over memory that a later pass reads. Skipping passes (a micro-batch run eagerly) is safe: a skipped pass writes
-nothing.
+peak, not each stage's own added up. That is also why the order is enforced (``graph_order.GraphGroup``): a replay
+out of it would write over memory that a later pass reads. Skipping passes (a micro-batch run eagerly) is safe: a
+skipped pass writes nothing.
 
 Tensors cross a graph's edge through one set of landing buffers per stage (inputs, targets, outputs, output gradients,
 input gradients), copied into before a replay and out of after it; inside the graph a micro-batch's inputs are copied
@@ -39,10 +39,10 @@ from pipecomm.runtime import boundary
 from pipecomm.runtime.capture_state import CaptureState
 from pipecomm.runtime.checks import gradient_hook
 from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.graph_order import GraphGroup
 from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported, weight_grad
 from pipecomm.runtime.stage_runner import free_data, held_only_by_themselves, run_backward
-from pipecomm.schedules.schedule import Schedule
 
 __all__: list[str] = []
 
@@ -52,40 +52,11 @@ _WARMUP_ITERATIONS = 2  # eager runs on a side stream before capture, so lazy in
 # more.
 _CHECK_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 2e-2}
 _CHECK_TOLERANCE_DEFAULT = 1e-3
-_PASSES = ("F", "B", "I", "W")
 _STATE_OF = {"F": 0, "B": 1, "I": 1, "W": 2}  # which of a reference run's random states a pass began at
 
 
 class GraphCheckError(RuntimeError):
     """A captured graph's first replay differed from an eager run of the same micro-batch."""
-
-
-def rank_passes(schedule: Schedule, rank: int) -> tuple[tuple[int, str, int], ...]:
-    """The compute passes of ``rank`` in the schedule's order, as (stage, kind, micro-batch): the order its graphs
-    captured together keep."""
-    return tuple((action.stage, action.kind, action.micro_batch) for action in schedule.actions[rank]
-                 if action.kind in _PASSES)
-
-
-def stage_passes(schedule: Schedule, rank: int, stage: int) -> tuple[tuple[str, int], ...]:
-    """The stage's compute passes on ``rank`` in the schedule's order, as (kind, micro-batch): what its graphs are.
-    Raises where a stage's backwards are whole for some micro-batches and split for others."""
-    passes = tuple((kind, micro_batch) for one, kind, micro_batch in rank_passes(schedule, rank) if one == stage)
-    kinds = {kind for kind, _ in passes}
-    if "B" in kinds and "I" in kinds:
-        raise ValueError(f"cuda_graphs: schedule {schedule.name!r} runs stage {stage}'s backward whole for some "
-                         "micro-batches and split for others, which its graphs do not follow")
-    return passes
-
-
-def in_flight(passes: Sequence[tuple[str, int]]) -> int:
-    """The most micro-batches ``passes`` hold at once, from a forward to the last pass of its backward (B, or W)."""
-    held = most = 0
-    for kind, _ in passes:
-        if kind in ("F", "B", "W"):
-            held += 1 if kind == "F" else -1
-            most = max(most, held)
-    return most
 
 
 @dataclass
@@ -112,35 +83,10 @@ class _Reference:
     states: list[torch.Tensor]
 
 
-class GraphGroup:
-    """Stages whose graphs were captured together: one memory pool, and ``order`` (stage, kind, micro-batch), the order
-    the captures met the allocator in, which their replays keep within a step across the stages."""
-
-    def __init__(self, order: Sequence[tuple[int, str, int]]):
-        self.order = tuple(order)
-        self._position = {step: index for index, step in enumerate(self.order)}
-        self._next = 0  # the earliest position in ``order`` the next replay may take in this step
-
-    def new_step(self) -> None:
-        """A step begins: its replays start from the first pass again."""
-        self._next = 0
-
-    def launch(self, stage: int, kind: str, micro_batch: int, graph: torch.cuda.CUDAGraph | None) -> None:
-        position = self._position.get((stage, kind, micro_batch))
-        if graph is None or position is None or position < self._next:
-            why = ("was not captured" if graph is None or position is None else
-                   "comes out of the order its graphs were captured in, and would write over memory a later pass reads")
-            several = len({step[0] for step in self.order}) > 1
-            order = " ".join(f"{k}{m}" + (f"(stage {s})" if several else "") for s, k, m in self.order)
-            raise RuntimeError(f"cuda_graphs: stage {stage}'s {kind} pass of micro-batch {micro_batch} {why}; "
-                               f"the captured order: {order}")
-        self._next = position + 1
-        graph.replay()
-
-
 class GraphedStage:
-    """A stage module whose passes replay CUDA graphs, one per micro-batch and pass of ``passes`` (``stage_passes``),
-    captured at the first forward (or with the rank's other stages, ``capture``) and replayed in that order.
+    """A stage module whose passes replay CUDA graphs, one per micro-batch and pass of ``passes``
+    (``graph_order.stage_passes``), captured at the first forward (or with the rank's other stages, ``capture``) and
+    replayed in that order.
 
     Split backwards (I passes; the stage's Linear layers defer to ``weight_grad_store``) are captured as the eager
     executor splits them: I (input gradients and every parameter's gradient but the deferred Linear weight GEMMs') and

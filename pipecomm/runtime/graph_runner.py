@@ -26,7 +26,8 @@ from torch import nn
 
 from pipecomm.runtime import boundary
 from pipecomm.runtime.checks import gradient_hook
-from pipecomm.runtime.cuda_graphs import GraphedStage, in_flight, signature, signature_difference, stage_passes
+from pipecomm.runtime.cuda_graphs import GraphedStage, signature, signature_difference
+from pipecomm.runtime.graph_order import in_flight, stage_passes
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.rank_graphs import RankGraphs, Sample, sample_of
 from pipecomm.runtime.split_backward import WeightGradStore

@@ -13,7 +13,8 @@ accumulation autograd would run on the stream they ran on, outside the capture's
 from __future__ import annotations
 
 from pipecomm.runtime import boundary
-from pipecomm.runtime.cuda_graphs import GraphedStage, rank_passes
+from pipecomm.runtime.cuda_graphs import GraphedStage
+from pipecomm.runtime.graph_order import rank_passes
 from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.schedules.schedule import Schedule
 
