@@ -45,9 +45,11 @@ class Flat(NamedTuple):
     layout: Layout
 
 
-def detached_copy(flat: Flat) -> Flat:
-    """``flat`` with copies of its tensors, without their autograd history."""
-    return flat._replace(tensors=[tensor.detach().clone() for tensor in flat.tensors])
+def detached_copy(flat: Flat, keep_requires_grad: bool = False) -> Flat:
+    """``flat`` with copies of its tensors, without their autograd history (leaves requiring grad where the tensors
+    do, with ``keep_requires_grad``)."""
+    return flat._replace(tensors=[tensor.detach().clone().requires_grad_(keep_requires_grad and tensor.requires_grad)
+                                  for tensor in flat.tensors])
 
 
 def flatten(structure: Any) -> Flat:

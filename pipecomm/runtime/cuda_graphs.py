@@ -409,7 +409,7 @@ class GraphedStage:
 
     def _captured_forward(self) -> _Captured:
         leaves = self._leaves()
-        targets = self._targets._replace(tensors=[tensor.clone() for tensor in self._targets.tensors])
+        targets = boundary.detached_copy(self._targets)
         deferrals = [] if self.split else None
         outputs = self._run(boundary.Flat(leaves, self._inputs.layout), targets, deferrals)
         for landing, output in zip(self._outputs, outputs):

@@ -93,5 +93,4 @@ class RankGraphs:
 def sample_of(inputs: boundary.Flat, targets: boundary.Flat) -> Sample:
     """A micro-batch kept to capture on: copies (a received buffer may be reused by then), without autograd history
     but requiring grad where the tensors do, which the graphs' signature holds."""
-    return tuple(flat._replace(tensors=[tensor.detach().clone().requires_grad_(tensor.requires_grad)
-                                        for tensor in flat.tensors]) for flat in (inputs, targets))
+    return tuple(boundary.detached_copy(flat, keep_requires_grad=True) for flat in (inputs, targets))
