@@ -396,18 +396,19 @@ def test_two_stages_sharing_a_weight_captured_together_are_checked_and_exact():
         torch.testing.assert_close(param.grad, expected[id(param)], rtol=1e-4, atol=1e-5)
 
 
-def _tied_stages(checked: bool):
+def _tied_stages(checked: bool, device: str = "cpu"):
     """Two stages of a rank holding one Linear, with the rank's accumulators, in a V over two micro-batches."""
     torch.manual_seed(0)
-    shared = nn.Linear(8, 8)
-    modules = {1: nn.Sequential(shared, nn.Tanh()), 2: nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 8))}
+    with torch.device(device):
+        shared = nn.Linear(8, 8)
+        modules = {1: nn.Sequential(shared, nn.Tanh()), 2: nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 8))}
     order = [(1, "F", 0), (2, "F", 0), (1, "F", 1), (2, "B", 0), (2, "F", 1), (1, "B", 0), (2, "B", 1), (1, "B", 1)]
     accumulators = GradientAccumulators()
     stages = {stage: GraphedStage(module, GradientSink(list(module.parameters()), main_grad=False),
                                   [(kind, m) for one, kind, m in order if one == stage], stage=stage, loss=None,
                                   checked=checked, accumulators=accumulators) for stage, module in modules.items()}
-    samples = {stage: (boundary.flatten(((torch.randn(4, 8, requires_grad=True),), {})), boundary.flatten(()))
-               for stage in modules}
+    samples = {stage: (boundary.flatten(((torch.randn(4, 8, device=device, requires_grad=True),), {})),
+                       boundary.flatten(())) for stage in modules}
     return stages, samples, order, accumulators, shared
 
 
@@ -444,3 +445,57 @@ def test_a_capture_whose_check_fails_leaves_no_stage_graphed_on_a_cpu(monkeypatc
     assert StandInGraph.replays > 0
     assert not any(stage.captured or stage.accumulated for stage in stages.values())
     assert not accumulators.holds(shared.weight)
+
+
+def _segment_of(tensor: torch.Tensor) -> dict:
+    address = tensor.data_ptr()
+    return next(segment for segment in torch.cuda.memory_snapshot()
+                if segment["address"] <= address < segment["address"] + segment["total_size"])
+
+
+@needs_cuda
+@pytest.mark.parametrize("callers", [False, True], ids=["off", "the caller's on"])
+def test_the_pool_grows_in_expandable_segments_and_the_callers_setting_stays(callers):
+    """The captures allocate the graphs' pool in expandable segments (one stretch of addresses instead of segments
+    sized for their first allocation); an allocation after the capture gets what the caller had: ordinary segments,
+    or expandable ones where the caller turned them on."""
+    settings = torch._C._accelerator_setAllocatorSettings
+    if callers:
+        settings("expandable_segments:True")
+    try:
+        stages, samples, order, _, _ = _tied_stages(checked=False, device="cuda")
+        torch.cuda.empty_cache()
+        earlier = {(0, 0)} | {tuple(segment["segment_pool_id"]) for segment in torch.cuda.memory_snapshot()}
+        GraphedStage.capture(list(stages.values()), samples, order)
+        pools = [segment for segment in torch.cuda.memory_snapshot()
+                 if tuple(segment["segment_pool_id"]) not in earlier]
+        assert pools and all(segment["is_expandable"] for segment in pools)
+        after = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")  # a segment of its own
+        assert _segment_of(after)["is_expandable"] == callers
+    finally:
+        settings("expandable_segments:False")
+
+
+def test_expandable_segments_are_set_for_a_capture_and_set_back(monkeypatch):
+    """On a CPU, the allocator's settings recorded: turned on around a CUDA device's capture and off after it, a
+    failed one too; left alone where the caller's segments are expandable already, and for a CPU stage."""
+    from pipecomm.runtime import cuda_graphs
+    calls, segments = [], [{"device": 0, "is_expandable": False}]
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    with cuda_graphs._expandable_segments(torch.device("cuda", 0)):
+        assert calls == ["expandable_segments:True"]
+    assert calls == ["expandable_segments:True", "expandable_segments:False"]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with cuda_graphs._expandable_segments(torch.device("cuda", 0)):
+            raise RuntimeError("capture failed")
+    assert calls == ["expandable_segments:True", "expandable_segments:False"]
+    calls.clear()
+    segments[0]["is_expandable"] = True
+    with cuda_graphs._expandable_segments(torch.device("cuda", 0)):
+        pass
+    with cuda_graphs._expandable_segments(torch.device("cpu")):
+        pass
+    assert calls == []

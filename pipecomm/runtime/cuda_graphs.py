@@ -266,7 +266,8 @@ class GraphedStage:
                     for member in members:
                         references[member.stage] = member._warm_up(autocast, device, side, shared)
                         warmed[member.stage] = member._warmed_shared(shared)
-                    cls._capture_passes(members, order, autocast, side)
+                    with _expandable_segments(device):
+                        cls._capture_passes(members, order, autocast, side)
                     for member in members:
                         if member.checked:
                             for tensor, value in warmed[member.stage]:
@@ -562,6 +563,35 @@ def _capture_into(graph: torch.cuda.CUDAGraph, run: Callable[[], None], pool, st
     """``run``'s kernels captured into ``graph``, its memory from ``pool``."""
     with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         run()
+
+
+@contextlib.contextmanager
+def _expandable_segments(device: torch.device):
+    """The caching allocator's expandable segments on while the captures allocate their pool, and off again after
+    unless the caller had them on. The pool then grows as one stretch of addresses, where segments sized for the
+    first allocation that needed each left 4-10% of it unusable (2x H200: the pool's part of a graphed 1f1b's peak
+    over an eager one's, 1.090x -> 1.046x on e2e's compute config). No tensor of the pool is shared with another
+    process (the channels' buffers are allocated outside the captures), which expandable segments would forbid."""
+    settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if (device.type != "cuda" or settings is None or torch.cuda.get_allocator_backend() != "native"
+            or _expandable_in_use(device)):
+        yield
+        return
+    settings("expandable_segments:True")
+    try:
+        yield
+    finally:
+        settings("expandable_segments:False")
+
+
+def _expandable_in_use(device: torch.device) -> bool:
+    """Whether the caller has the allocator's expandable segments on: said in its settings, or seen in a segment."""
+    current = getattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "")()
+    if "expandable_segments:true" in current.replace(" ", "").lower():
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return any(segment.get("is_expandable") for segment in torch.cuda.memory_snapshot()
+               if segment["device"] == index)
 
 
 def _shared(members: Sequence[GraphedStage]) -> set[int]:
