@@ -463,17 +463,21 @@ def test_the_pool_grows_in_expandable_segments_and_the_callers_setting_stays(cal
     if callers:
         settings("expandable_segments:True")
     try:
-        stages, samples, order, _, _ = _tied_stages(checked=False, device="cuda")
-        torch.cuda.empty_cache()
-        earlier = {(0, 0)} | {tuple(segment["segment_pool_id"]) for segment in torch.cuda.memory_snapshot()}
-        GraphedStage.capture(list(stages.values()), samples, order)
-        pools = [segment for segment in torch.cuda.memory_snapshot()
-                 if tuple(segment["segment_pool_id"]) not in earlier]
-        assert pools and all(segment["is_expandable"] for segment in pools)
-        after = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")  # a segment of its own
-        assert _segment_of(after)["is_expandable"] == callers
+        _capture_and_allocate(callers)
     finally:
         settings("expandable_segments:False")
+        torch.cuda.empty_cache()  # no expandable segment left cached for a later test's buffer shared over IPC
+
+
+def _capture_and_allocate(callers: bool) -> None:
+    stages, samples, order, _, _ = _tied_stages(checked=False, device="cuda")
+    torch.cuda.empty_cache()
+    earlier = {(0, 0)} | {tuple(segment["segment_pool_id"]) for segment in torch.cuda.memory_snapshot()}
+    GraphedStage.capture(list(stages.values()), samples, order)
+    pools = [segment for segment in torch.cuda.memory_snapshot() if tuple(segment["segment_pool_id"]) not in earlier]
+    assert pools and all(segment["is_expandable"] for segment in pools)
+    after = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")  # a segment of its own
+    assert _segment_of(after)["is_expandable"] == callers
 
 
 def test_expandable_segments_are_set_for_a_capture_and_set_back(monkeypatch):
