@@ -482,9 +482,12 @@ def _capture_and_allocate(callers: bool) -> None:
 
 def test_expandable_segments_are_set_for_a_capture_and_set_back(monkeypatch):
     """On a CPU, the allocator's settings recorded: turned on around a CUDA device's capture and off after it, a
-    failed one too; left alone where the caller's segments are expandable already, and for a CPU stage."""
+    failed one too, and with an earlier capture's pool in expandable segments; left alone where the caller's segments
+    are expandable already, and for a CPU stage."""
     from pipecomm.runtime import cuda_graphs
-    calls, segments = [], [{"device": 0, "is_expandable": False}]
+    calls = []
+    segments = [{"device": 0, "is_expandable": False, "segment_pool_id": (0, 0)},
+                {"device": 0, "is_expandable": True, "segment_pool_id": (0, 1)}]  # an earlier capture's pool
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)

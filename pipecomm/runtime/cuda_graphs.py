@@ -585,13 +585,14 @@ def _expandable_segments(device: torch.device):
 
 
 def _expandable_in_use(device: torch.device) -> bool:
-    """Whether the caller has the allocator's expandable segments on: said in its settings, or seen in a segment."""
+    """Whether the caller has the allocator's expandable segments on: said in its settings, or seen in a segment of
+    the default pool (an earlier capture's pool has them from us)."""
     current = getattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "")()
     if "expandable_segments:true" in current.replace(" ", "").lower():
         return True
     index = device.index if device.index is not None else torch.cuda.current_device()
     return any(segment.get("is_expandable") for segment in torch.cuda.memory_snapshot()
-               if segment["device"] == index)
+               if segment["device"] == index and tuple(segment["segment_pool_id"]) == (0, 0))
 
 
 def _shared(members: Sequence[GraphedStage]) -> set[int]:
