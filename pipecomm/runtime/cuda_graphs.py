@@ -9,7 +9,8 @@ and later passes reuse them. A rank's stages (zb-v's two) are captured together,
 runs them, into one pool (``GraphedStage.capture``; ``rank_graphs`` gathers them): the pool then holds the rank's
 peak, not each stage's own added up. That is also why the order is enforced (``graph_order.GraphGroup``): a replay
 out of it would write over memory that a later pass reads. Skipping passes (a micro-batch run eagerly) is safe: a
-skipped pass writes nothing.
+skipped pass writes nothing. The pool is allocated in expandable segments (``_expandable_segments``): one stretch of
+addresses, where the frees of eager's order leave less of it unusable than in segments sized one by one.
 
 Tensors cross a graph's edge through one set of landing buffers per stage (inputs, targets, outputs, output gradients,
 input gradients), copied into before a replay and out of after it; inside the graph a micro-batch's inputs are copied
