@@ -52,7 +52,8 @@ from llama_stage import LlamaStage, llama_config, token_batch, token_loss  # noq
 
 # "pipecomm 1f1b" is the Pipeline as built with no speed flags (cuda_graphs="auto": graphed from the third step on
 # GPUs, within the warm-up); "eager" rows pass cuda_graphs=False.
-ROWS = ("torch 1F1B", "pipecomm 1f1b", "pipecomm 1f1b eager", "pipecomm zb-h1")
+TORCH_ROW = "torch 1F1B"
+ROWS = (TORCH_ROW, "pipecomm 1f1b", "pipecomm 1f1b eager", "pipecomm zb-h1")
 # Not run by default (``--rows``): each rank's stage work alone, a gradient-accumulation loop with no pipeline,
 # the floor under any schedule's step on that rank.
 EXTRA_ROWS = ("stage alone",)
@@ -409,8 +410,8 @@ def table(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     for result in results:
         if result["table"] == name:
             by_row[result["row"]].append(result)
-    torch_step = max((r["thread_us"] for r in by_row.get("torch 1F1B", [])), default=None)
-    torch_wall = max((r["wall_ms"] for r in by_row.get("torch 1F1B", [])), default=None)
+    torch_step = max((r["thread_us"] for r in by_row.get(TORCH_ROW, [])), default=None)
+    torch_wall = max((r["wall_ms"] for r in by_row.get(TORCH_ROW, [])), default=None)
     for name in (*ROWS, *EXTRA_ROWS):
         ranks = by_row.get(name)
         if not ranks:
@@ -448,8 +449,9 @@ def main() -> None:
                         help="e.g. 8,32: each model once per micro-batch count (default: its shape's)")
     parser.add_argument("--size", default="", metavar="HIDDEN,SEQ,MB,M",
                         help="every model at this hidden size, sequence length, micro-batch size and count")
-    parser.add_argument("--rows", default=",".join(ROWS),
-                        help=f"of {', '.join((*ROWS, *EXTRA_ROWS))} ('_' for a space: torch_1F1B)")
+    parser.add_argument("--rows", default=None,
+                        help=f"of {', '.join((*ROWS, *EXTRA_ROWS))} ('_' for a space: torch_1F1B; default: "
+                             f"{', '.join(ROWS)}, without torch's with --share-gpu)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120.0)
@@ -463,10 +465,15 @@ def main() -> None:
         parser.error(f"unknown models {sorted(unknown)}; known: {', '.join(MODELS)}")
     args.micro_batch_list = [int(count) for count in args.micro_batches.split(",") if count]
     # "torch_1F1B" for "torch 1F1B": names without spaces pass through scripts/gpu_check.sh's word splitting.
+    if args.rows is None:
+        args.rows = ",".join(row for row in ROWS if not (args.share_gpu and row == TORCH_ROW))
     args.row_list = [row.strip().replace("_", " ") for row in args.rows.split(",") if row.strip()]
     unknown_rows = set(args.row_list) - {*ROWS, *EXTRA_ROWS}
     if unknown_rows:
         parser.error(f"unknown rows {sorted(unknown_rows)}; known: {', '.join((*ROWS, *EXTRA_ROWS))}")
+    if args.share_gpu and TORCH_ROW in args.row_list:
+        parser.error("torch's pipelining cannot run two ranks on one GPU (NCCL refuses them, gloo sends no CUDA "
+                     "tensors): leave torch_1F1B out of --rows with --share-gpu")
     if args.mode == "smoke":
         args.steps, args.warmup = 1, 1
     if args.mode == "gpu" and not args.share_gpu and torch.cuda.device_count() < 2:
