@@ -437,7 +437,7 @@ def test_a_capture_of_two_stages_together_runs_through_on_a_cpu(monkeypatch):
 def test_a_capture_whose_check_fails_leaves_no_stage_graphed_on_a_cpu(monkeypatch):
     """With stand-in graphs whose replays do nothing (stale graphs): the check of the first stage finds its replays
     off eager, and neither stage keeps graphs or accumulators."""
-    from pipecomm.runtime.cuda_graphs import GraphCheckError
+    from pipecomm.runtime.graph_check import GraphCheckError
     stand_in_graphs(monkeypatch, inert=True)
     stages, samples, order, accumulators, shared = _tied_stages(checked=True)
     with pytest.raises(GraphCheckError, match="stage 1: "):

@@ -143,7 +143,7 @@ def test_the_check_finds_a_pass_off_eager_without_copying_the_gradients(monkeypa
     """The check of replays that add into accumulators, in the captured order: micro-batches take the probe negated
     and not by turns, and the accumulators must be about zero after each negated one; with an even count a second
     round checks the last. A micro-batch computing with a stale weight, first or last, is found; right ones pass."""
-    from pipecomm.runtime import boundary, cuda_graphs, graph_order
+    from pipecomm.runtime import boundary, cuda_graphs, graph_check, graph_order
     from pipecomm.runtime.gradient_sink import GradientSink
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: None)
     torch.manual_seed(0)
@@ -180,7 +180,7 @@ def test_the_check_finds_a_pass_off_eager_without_copying_the_gradients(monkeypa
         graphed.backward(0, None)  # the loss's own gradient, whatever probe the check left in the landing buffer
         assert torch.equal(graphed._grad_outputs[0], torch.ones(2, 3))
     else:
-        with pytest.raises(cuda_graphs.GraphCheckError, match="parameter gradients the replays added up to the B pass"):
+        with pytest.raises(graph_check.GraphCheckError, match="parameter gradients the replays added up to the B pass"):
             graphed._check_replays(reference, torch.device("cpu"))
 
 

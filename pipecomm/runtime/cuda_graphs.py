@@ -40,6 +40,7 @@ from pipecomm.runtime import boundary
 from pipecomm.runtime.capture_state import CaptureState
 from pipecomm.runtime.checks import gradient_hook
 from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.graph_check import GraphCheckError, detached, largest_difference, largest_entry, off_zero, signed
 from pipecomm.runtime.graph_order import GraphGroup
 from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported, weight_grad
@@ -48,16 +49,7 @@ from pipecomm.runtime.stage_runner import free_data, held_only_by_themselves, ru
 __all__: list[str] = []
 
 _WARMUP_ITERATIONS = 2  # eager runs on a side stream before capture, so lazy initialisation stays out of the graphs
-# A replay checked against eager may differ by the atomics' order in some backward kernels (attention's, index_add's):
-# largest difference allowed, relative to the eager tensor's largest entry. Stale values from a capture differ by far
-# more.
-_CHECK_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 2e-2}
-_CHECK_TOLERANCE_DEFAULT = 1e-3
 _STATE_OF = {"F": 0, "B": 1, "I": 1, "W": 2}  # which of a reference run's random states a pass began at
-
-
-class GraphCheckError(RuntimeError):
-    """A captured graph's first replay differed from an eager run of the same micro-batch."""
 
 
 @dataclass
@@ -366,10 +358,10 @@ class GraphedStage:
                 parts[id(param)] = ({"input"} if id(param) in input_part else set()) | (
                     {"weight"} if id(param) in weight_part else set())
                 if tensor.numel():
-                    largest[id(param)] = _largest_entry(tensor)
-        return _Reference(_detached(outputs), _detached(input_grads),
-                          None if self.accumulators else _detached(param_grads),
-                          None if self.accumulators else _detached(weight_grads or []), largest, parts, states)
+                    largest[id(param)] = largest_entry(tensor)
+        return _Reference(detached(outputs), detached(input_grads),
+                          None if self.accumulators else detached(param_grads),
+                          None if self.accumulators else detached(weight_grads or []), largest, parts, states)
 
     def _warmed_shared(self, shared: set[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """With ``checked`` and accumulators, each accumulator of a ``shared`` parameter and a copy of what this stage's
@@ -492,7 +484,7 @@ class GraphedStage:
         sums[part] += int(sign)
         ready = [p for p in self.accumulated if id(p) in reference.largest and part in reference.parts[id(p)]
                  and all(sums[one] == -1 for one in reference.parts[id(p)])]
-        difference = _off_zero(self.accumulators.tensors(ready), [reference.largest[id(p)] for p in ready])
+        difference = off_zero(self.accumulators.tensors(ready), [reference.largest[id(p)] for p in ready])
         if difference:
             raise GraphCheckError(f"stage {self.stage}: the parameter gradients the replays added up to the {where} "
                                   f"differ from an eager run's (the probe negated and not by turns): {difference}")
@@ -502,16 +494,16 @@ class GraphedStage:
         """How the landing buffers after a checked replay of a ``kind`` pass differ from the eager run (the gradients
         times ``sign``), or None."""
         if kind == "F":
-            return _largest_difference([("output", self._outputs, reference.outputs)])
+            return largest_difference([("output", self._outputs, reference.outputs)])
         if kind == "W":
             if self.accumulators:
                 return None
-            return _largest_difference([("deferred weight gradient", _signed(self._returned_grads("W"), sign),
+            return largest_difference([("deferred weight gradient", signed(self._returned_grads("W"), sign),
                                          reference.weight_grads)])
-        compared = [("input gradient", _signed(self._input_grads, sign), reference.input_grads)]
+        compared = [("input gradient", signed(self._input_grads, sign), reference.input_grads)]
         if not self.accumulators:
-            compared.append(("parameter gradient", _signed(self._returned_grads(kind), sign), reference.param_grads))
-        return _largest_difference(compared)
+            compared.append(("parameter gradient", signed(self._returned_grads(kind), sign), reference.param_grads))
+        return largest_difference(compared)
 
     def _input_pass(self, outputs: list, grad_outputs: list, inputs: list,
                     deferrals: list[Deferral] | None) -> tuple[tuple, list[DeferredGrad]]:
@@ -656,49 +648,3 @@ def _copy_found(landings: list[torch.Tensor | None], grads: Sequence[torch.Tenso
             raise RuntimeError(f"cuda_graphs: {what}: entry {index} has a gradient in the capture and had none in "
                                "the warm-up before it")
         landing.copy_(grad)
-
-
-def _detached(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    return [None if t is None else t.detach().clone() for t in tensors]
-
-
-def _signed(tensors: Sequence[torch.Tensor | None], sign: float) -> list[torch.Tensor | None]:
-    return [t if t is None or sign > 0 else -t for t in tensors]
-
-
-def _largest_difference(compared: Sequence[tuple[str, Sequence, Sequence]]) -> str | None:
-    """The first replayed tensor off its eager twin by more than the tolerance (relative to the twin's largest
-    entry), described; None where every one agrees. ``compared``: (what, replayed, eager) lists. One synchronization
-    for all of them."""
-    pairs, named = [], []
-    for kind, got_list, want_list in compared:
-        for index, (got, want) in enumerate(zip(got_list, want_list)):
-            if (got is None) != (want is None):
-                return f"{kind} {index} is {'missing' if got is None else 'present'} in the replay only"
-            if got is not None and got.numel():
-                pairs.append(torch.stack([(got.float() - want.float()).abs().max(), want.float().abs().max()]))
-                named.append((f"{kind} {index}", _CHECK_TOLERANCE.get(want.dtype, _CHECK_TOLERANCE_DEFAULT)))
-    if not pairs:
-        return None
-    for (name, tolerance), (difference, largest) in zip(named, torch.stack(pairs).tolist()):
-        if not difference <= tolerance * largest:  # NaN fails too
-            return f"{name}: largest difference {difference:.3g} where the largest entry is {largest:.3g}"
-    return None
-
-
-def _largest_entry(tensor: torch.Tensor) -> torch.Tensor:
-    """The largest absolute entry, a 0-d fp32 tensor (no synchronization)."""
-    return tensor.detach().float().abs().max()
-
-
-def _off_zero(tensors: Sequence[torch.Tensor], largest: Sequence[torch.Tensor]) -> str | None:
-    """The first tensor whose largest entry is over the tolerance relative to ``largest`` (its eager twin's, in the
-    same order), described; None where every one is about zero. One synchronization."""
-    if not tensors:
-        return None
-    found = torch.stack([_largest_entry(tensor) for tensor in tensors] + list(largest)).tolist()
-    for index, (tensor, got, bound) in enumerate(zip(tensors, found, found[len(tensors):])):
-        if not got <= _CHECK_TOLERANCE.get(tensor.dtype, _CHECK_TOLERANCE_DEFAULT) * bound:  # NaN fails too
-            return (f"parameter gradient {index}: largest difference {got:.3g} where the largest entry is "
-                    f"{bound:.3g}")
-    return None
