@@ -562,9 +562,10 @@ def _capture_into(graph: torch.cuda.CUDAGraph, run: Callable[[], None], pool, st
 def _expandable_segments(device: torch.device):
     """The caching allocator's expandable segments on while the captures allocate their pool, and off again after
     unless the caller had them on. The pool then grows as one stretch of addresses, where segments sized for the
-    first allocation that needed each left 4-10% of it unusable (2x H200: the pool's part of a graphed 1f1b's peak
-    over an eager one's, 1.090x -> 1.046x on e2e's compute config). No tensor of the pool is shared with another
-    process (the channels' buffers are allocated outside the captures), which expandable segments would forbid."""
+    first allocation that needed each left 4-10% of it unusable (one H200, two ranks: a graphed 1f1b's peak over an
+    eager one's, 1.090x -> 1.046x on e2e's compute config). No tensor of the pool is shared with another process (the
+    channels' buffers are allocated outside the captures), which expandable segments would forbid. The setting is the
+    process's: another thread allocating during the captures gets expandable segments too."""
     settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if (device.type != "cuda" or settings is None or torch.cuda.get_allocator_backend() != "native"
             or _expandable_in_use(device)):
