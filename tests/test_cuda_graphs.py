@@ -480,8 +480,8 @@ def _capture_and_allocate(callers: bool) -> None:
     assert _segment_of(after)["is_expandable"] == callers
 
 
-def test_expandable_segments_are_set_for_a_capture_and_set_back(monkeypatch):
-    """On a CPU, the allocator's settings recorded: turned on around a CUDA device's capture and off after it, a
+def test_expandable_segments_are_set_for_each_capture_and_set_back(monkeypatch):
+    """On a CPU, the allocator's settings recorded: turned on around each capture of a CUDA device and off after it, a
     failed one too, and with an earlier capture's pool in expandable segments; left alone where the caller's segments
     are expandable already, and for a CPU stage."""
     from pipecomm.runtime import cuda_graphs
@@ -491,18 +491,18 @@ def test_expandable_segments_are_set_for_a_capture_and_set_back(monkeypatch):
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
-    with cuda_graphs._expandable_segments(torch.device("cuda", 0)):
-        assert calls == ["expandable_segments:True"]
-    assert calls == ["expandable_segments:True", "expandable_segments:False"]
-    calls.clear()
+    around = cuda_graphs._ExpandableSegments(torch.device("cuda", 0))
+    for _ in range(2):
+        with around:
+            assert calls[-1] == "expandable_segments:True"
+        assert calls[-1] == "expandable_segments:False"
     with pytest.raises(RuntimeError, match="capture failed"):
-        with cuda_graphs._expandable_segments(torch.device("cuda", 0)):
+        with around:
             raise RuntimeError("capture failed")
-    assert calls == ["expandable_segments:True", "expandable_segments:False"]
+    assert calls == ["expandable_segments:True", "expandable_segments:False"] * 3
     calls.clear()
     segments[0]["is_expandable"] = True
-    with cuda_graphs._expandable_segments(torch.device("cuda", 0)):
-        pass
-    with cuda_graphs._expandable_segments(torch.device("cpu")):
-        pass
+    for device in (torch.device("cuda", 0), torch.device("cpu")):
+        with cuda_graphs._ExpandableSegments(device):
+            pass
     assert calls == []

@@ -9,7 +9,7 @@ and later passes reuse them. A rank's stages (zb-v's two) are captured together,
 runs them, into one pool (``GraphedStage.capture``; ``rank_graphs`` gathers them): the pool then holds the rank's
 peak, not each stage's own added up. That is also why the order is enforced (``graph_order.GraphGroup``): a replay
 out of it would write over memory that a later pass reads. Skipping passes (a micro-batch run eagerly) is safe: a
-skipped pass writes nothing. The pool is allocated in expandable segments (``_expandable_segments``): one stretch of
+skipped pass writes nothing. The pool is allocated in expandable segments (``_ExpandableSegments``): one stretch of
 addresses, where the frees of eager's order leave less of it unusable than in segments sized one by one.
 
 Tensors cross a graph's edge through one set of landing buffers per stage (inputs, targets, outputs, output gradients,
@@ -259,8 +259,7 @@ class GraphedStage:
                     for member in members:
                         references[member.stage] = member._warm_up(autocast, device, side, shared)
                         warmed[member.stage] = member._warmed_shared(shared)
-                    with _expandable_segments(device):
-                        cls._capture_passes(members, order, autocast, side)
+                    cls._capture_passes(members, order, autocast, side, device)
                     for member in members:
                         if member.checked:
                             for tensor, value in warmed[member.stage]:
@@ -374,17 +373,18 @@ class GraphedStage:
 
     @staticmethod
     def _capture_passes(members: Sequence[GraphedStage], order: tuple[tuple[int, str, int], ...], autocast,
-                        stream: torch.cuda.Stream) -> None:
+                        stream: torch.cuda.Stream, device: torch.device) -> None:
         """Each pass of ``order`` captured in turn into one pool; what a pass leaves for a later one of its stage stays
         alive in ``held`` until that one's capture, and no longer, as eager would hold it."""
-        pool = torch.cuda.graph_pool_handle()
+        pool, segments = torch.cuda.graph_pool_handle(), _ExpandableSegments(device)
         by_stage = {member.stage: member for member in members}
         held: dict[int, dict[int, _Captured]] = {member.stage: {} for member in members}
         with autocast:
             for stage, kind, micro_batch in order:
                 member, kept = by_stage[stage], held[stage]
                 graph = torch.cuda.CUDAGraph()
-                _capture_into(graph, member._pass(kind, micro_batch, kept), pool, stream)
+                with segments:
+                    _capture_into(graph, member._pass(kind, micro_batch, kept), pool, stream)
                 member._graphs[(kind, micro_batch)] = graph
                 if kind == "F":
                     # Sent on through the landing buffers: their memory goes back to the pool, as eager frees it.
@@ -558,24 +558,28 @@ def _capture_into(graph: torch.cuda.CUDAGraph, run: Callable[[], None], pool, st
         run()
 
 
-@contextlib.contextmanager
-def _expandable_segments(device: torch.device):
-    """The caching allocator's expandable segments on while the captures allocate their pool, and off again after
-    unless the caller had them on. The pool then grows as one stretch of addresses, where segments sized for the
-    first allocation that needed each left 4-10% of it unusable (one H200, two ranks: a graphed 1f1b's peak over an
-    eager one's, 1.090x -> 1.046x on e2e's compute config). No tensor of the pool is shared with another process (the
-    channels' buffers are allocated outside the captures), which expandable segments would forbid. The setting is the
-    process's: another thread allocating during the captures gets expandable segments too."""
-    settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if (device.type != "cuda" or settings is None or torch.cuda.get_allocator_backend() != "native"
-            or _expandable_in_use(device)):
-        yield
-        return
-    settings("expandable_segments:True")
-    try:
-        yield
-    finally:
-        settings("expandable_segments:False")
+class _ExpandableSegments:
+    """Entered around each capture: the caching allocator's expandable segments on while it allocates the graphs'
+    pool, and off again after it, unless the caller had them on. The pool then grows as one stretch of addresses,
+    where segments sized for the first allocation that needed each left 4-10% of it unusable (one H200, two ranks: a
+    graphed 1f1b's peak over an eager one's, 1.090x -> 1.046x on e2e's compute config). Around each capture, not all
+    of them: between two, a sent output's data is freed, which allocates in the default pool, and a segment made
+    there could later hold a buffer the IPC channel shares with the peer, which expandable segments forbid (no tensor
+    of the pool is shared). The setting is the process's: another thread allocating during a capture gets expandable
+    segments too."""
+
+    def __init__(self, device: torch.device):
+        self._settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        self._switch = (device.type == "cuda" and self._settings is not None
+                        and torch.cuda.get_allocator_backend() == "native" and not _expandable_in_use(device))
+
+    def __enter__(self) -> None:
+        if self._switch:
+            self._settings("expandable_segments:True")
+
+    def __exit__(self, *exception) -> None:
+        if self._switch:
+            self._settings("expandable_segments:False")
 
 
 def _expandable_in_use(device: torch.device) -> bool:
