@@ -474,8 +474,11 @@ def _capture_and_allocate(callers: bool) -> None:
     torch.cuda.empty_cache()
     earlier = {(0, 0)} | {tuple(segment["segment_pool_id"]) for segment in torch.cuda.memory_snapshot()}
     GraphedStage.capture(list(stages.values()), samples, order)
-    pools = [segment for segment in torch.cuda.memory_snapshot() if tuple(segment["segment_pool_id"]) not in earlier]
+    snapshot = torch.cuda.memory_snapshot()
+    pools = [segment for segment in snapshot if tuple(segment["segment_pool_id"]) not in earlier]
     assert pools and all(segment["is_expandable"] for segment in pools)
+    if not callers:  # nothing the capture allocated outside its pool (a buffer that IPC might share) is expandable
+        assert not any(segment["is_expandable"] for segment in snapshot if tuple(segment["segment_pool_id"]) == (0, 0))
     after = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")  # a segment of its own
     assert _segment_of(after)["is_expandable"] == callers
 
