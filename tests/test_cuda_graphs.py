@@ -285,7 +285,7 @@ def _held_bytes(order: list[tuple[int, str, int]], graphed: bool) -> tuple[int, 
             if kind == "F":
                 x = received()
                 runner.forward(m, (x,), {}, [x], ())
-                runner.outputs_sent(m)
+                runner.outputs_sent(m, lambda: None)
                 del x
             elif kind == "W":
                 runner.backward_weight(m)

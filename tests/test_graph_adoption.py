@@ -36,6 +36,7 @@ class EagerGraphs:
         self.captured = False
         self._signature = None
         self._held = {}
+        self._landing_outputs, self._landing_input_grads = None, None
 
     def new_step(self):
         self._group["next"] = 0
@@ -67,14 +68,19 @@ class EagerGraphs:
             member.captured = True
             member._signature = signature(inputs, targets)
 
-    def replay(self, micro_batch, inputs, targets):
+    def replay(self, micro_batch, inputs, targets, landing=False):
         if not self.captured:
             self.capture([self], {self.stage: (inputs, targets)}, [(self.stage, *step) for step in self.passes])
-        return self.replay_fitting(micro_batch, inputs, targets)
+        return self.replay_fitting(micro_batch, inputs, targets, landing)
 
-    def replay_fitting(self, micro_batch, inputs, targets):
+    def replay_fitting(self, micro_batch, inputs, targets, landing=False):
         self._follow("F", micro_batch)
-        return self._forward(micro_batch, inputs, targets)
+        outputs = self._forward(micro_batch, inputs, targets)
+        if not landing:
+            return outputs
+        # As the real graphs' landing buffers: one set, written by every forward replay.
+        self._landing_outputs = _write_landing(self._landing_outputs, outputs)
+        return tuple(t.detach().requires_grad_(o.requires_grad) for t, o in zip(self._landing_outputs, outputs))
 
     def _forward(self, micro_batch, inputs, targets):
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs.tensors]
@@ -89,7 +95,9 @@ class EagerGraphs:
 
     def backward(self, micro_batch, grads):
         self._follow("I" if ("I", micro_batch) in self.passes else "B", micro_batch)
-        return self._backward(micro_batch, grads)
+        input_grads, param_grads = self._backward(micro_batch, grads)
+        self._landing_input_grads = _write_landing(self._landing_input_grads, input_grads)
+        return list(self._landing_input_grads), param_grads
 
     def _backward(self, micro_batch, grads):
         outputs, leaves = self._held.pop(micro_batch)
@@ -117,6 +125,17 @@ class EagerGraphs:
 
     def changed_since_capture(self):
         return None
+
+
+def _write_landing(landing, values):
+    """The one set of landing buffers a stand-in's replays write (made at the first), as the real graphs' are: what
+    the runner gives a send from them must be read, or copied, before the next replay writes them."""
+    if landing is None:
+        landing = [None if value is None else torch.empty_like(value) for value in values]
+    for buffer, value in zip(landing, values):
+        if value is not None:
+            buffer.copy_(value.detach())
+    return landing
 
 
 class GivenTimes:

@@ -12,6 +12,7 @@ from torch import nn
 
 import pipecomm
 from pipecomm.runtime import graph_runner
+from pipecomm.schedules.schedule import Action, Schedule
 from stand_in_graphs import StandInGraph, stand_in_graphs
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
@@ -99,3 +100,21 @@ def test_a_failed_check_of_stages_captured_together_leaves_both_eager(monkeypatc
     assert all(state.startswith("eager: capturing its CUDA graphs failed (GraphCheckError: stage 0") for state in
                states.values()), states
     assert sum("runs eagerly from now on" in str(warning.message) for warning in caught) == 2
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, "auto"])
+def test_sends_after_the_next_replay_get_copies_of_the_landing_buffers(monkeypatch, cuda_graphs):
+    """A replayed stage sends its outputs and input gradients from its landing buffers themselves. Under a schedule
+    that sends them only after the stage's next forward and backward replays (which write those buffers again),
+    each micro-batch must still send its own: the replays first leave the micro-batches not sent yet a copy."""
+    stand_in_graphs(monkeypatch)
+    micro_batches = 4
+    late = [Action("F", 0, k) for k in range(micro_batches)] + [Action("SEND_F", 0, k) for k in range(micro_batches)]
+    for k in range(micro_batches):
+        late += [Action("RECV_F", 1, k), Action("F", 1, k)]
+    late += [Action("B", 1, k) for k in range(micro_batches)] + [Action("SEND_B", 1, k) for k in range(micro_batches)]
+    for k in range(micro_batches):
+        late += [Action("RECV_B", 0, k), Action("B", 0, k)]
+    schedule = Schedule("sends-late", 1, 2, micro_batches, (tuple(late),))
+    pipe = _train(monkeypatch, schedule, 2, cuda_graphs)
+    assert set(pipe.cuda_graph_states.values()) == {"replaying"}, pipe.cuda_graph_states

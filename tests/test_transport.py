@@ -107,6 +107,39 @@ def test_round_trips_and_ordering(tmp_path, backend, kind):
     assert run_ranks(2, round_trips, tmp_path, backend, kind) == [backend, backend]
 
 
+def overwritten_after_the_read_event(rank: int, world_size: int, backend: str, kind: str) -> list[int]:
+    """Rank 0 writes each message's tensor again right after sending it, its stream having waited on the send's read
+    event; over CUDA IPC each large message's copy is first held back on the channel's stream (a busy copy engine).
+    Returns the messages rank 1 received other than sent."""
+    device = rank_device(rank, kind)
+    wrong = []
+    with transport.connect(1 - rank, backend=backend, device=device, timeout=30) as channel:
+        source = torch.empty(1 << 20, device=device)  # 4 MB: over CUDA IPC, copied on the channel's stream
+        for seq in range(4):  # the same layout: into slots, then into the receiver's posted buffers
+            if rank == 1:
+                if not torch.equal(channel.recv()[0].cpu(), torch.full((1 << 20,), float(seq))):
+                    wrong.append(seq)
+                continue
+            source.fill_(float(seq))
+            if backend == "ipc":
+                stream_id, device_index, device_type = channel._native.channel_stream()
+                with torch.cuda.stream(torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
+                                                         device_type=device_type)):
+                    torch.cuda._sleep(20_000_000)  # about 10 ms
+            channel.send([source])
+            event = channel.send_read_event()
+            if event is not None:
+                event.wait()
+            source.fill_(-1.0)
+    return wrong
+
+
+@pytest.mark.parametrize(("backend", "kind"), BACKENDS_AND_DEVICES)
+def test_a_tensor_written_after_its_sends_read_event_arrives_as_sent(tmp_path, backend, kind):
+    """``Channel.send_read_event``: what a CUDA graph's landing buffer, sent as it is, relies on."""
+    assert run_ranks(2, overwritten_after_the_read_event, tmp_path, backend, kind) == [[], []]
+
+
 def notes_with_messages(rank: int, world_size: int, backend: str, kind: str) -> str:
     device = rank_device(rank, kind)
     store = dist.distributed_c10d._get_default_store()

@@ -254,6 +254,13 @@ class IpcChannel {
 
   bool transfers_done() const { return cudaStreamQuery(stream_.stream()) == cudaSuccess; }
 
+  // The stream a large message is copied on, as torch.cuda.Stream takes it (stream_id, device_index, device_type):
+  // an event recorded there after a send is one the caller's stream can wait on before writing the sent tensors.
+  py::tuple channel_stream() const {
+    const c10::StreamData3 data = stream_.pack3();
+    return py::make_tuple(data.stream_id, data.device_index, static_cast<int>(data.device_type));
+  }
+
   // Makes a send or recv waiting in another thread raise ProtocolError at once; close() follows. The
   // only method that may overlap another.
   void interrupt() noexcept {
@@ -774,6 +781,7 @@ void register_ipc_channel(py::module_& module) {
       .def("recv_note", &IpcChannel::recv_note)
       .def("shrink", &IpcChannel::shrink, py::arg("slot_bytes"), py::call_guard<py::gil_scoped_release>())
       .def("transfers_done", &IpcChannel::transfers_done)
+      .def("channel_stream", &IpcChannel::channel_stream)
       .def("host_phase_times", &IpcChannel::host_phase_times)
       .def("abandon", &IpcChannel::abandon)
       .def("interrupt", &IpcChannel::interrupt)

@@ -209,6 +209,10 @@ class StructureChannel:
             self._sent = header
         self.channel.send((marker, *(tensor.detach() for tensor in flat.tensors)))
 
+    def send_read_event(self) -> torch.cuda.Event | None:
+        """``Channel.send_read_event`` of the last structure sent."""
+        return self.channel.send_read_event()
+
     def recv(self) -> Received:
         marker, *tensors = self.channel.recv()
         if marker is not None:

@@ -137,22 +137,25 @@ class GraphedStage:
         ``output_layout`` makes them the output structure again. Captures at the first call."""
         return self.replay(micro_batch, boundary.flatten((args, kwargs or {})), boundary.flatten(targets))
 
-    def replay(self, micro_batch: int, inputs: boundary.Flat, targets: boundary.Flat) -> tuple:
-        """``forward`` on inputs and targets already taken apart."""
+    def replay(self, micro_batch: int, inputs: boundary.Flat, targets: boundary.Flat, landing: bool = False) -> tuple:
+        """``forward`` on inputs and targets already taken apart (``replay_fitting`` says what ``landing`` does)."""
         if not self._graphs:
             type(self).capture([self], {self.stage: (inputs, targets)}, [(self.stage, *step) for step in self.passes])
         mismatch = self.mismatch(inputs, targets)
         if mismatch:
             raise ValueError(f"cuda_graphs: stage {self.stage}, micro-batch {micro_batch}: {mismatch}; CUDA graphs "
                              "need static shapes")
-        return self.replay_fitting(micro_batch, inputs, targets)
+        return self.replay_fitting(micro_batch, inputs, targets, landing)
 
-    def replay_fitting(self, micro_batch: int, inputs: boundary.Flat, targets: boundary.Flat) -> tuple:
-        """``replay`` of a micro-batch known to fit the captured graphs (``mismatch`` said None)."""
+    def replay_fitting(self, micro_batch: int, inputs: boundary.Flat, targets: boundary.Flat,
+                       landing: bool = False) -> tuple:
+        """``replay`` of a micro-batch known to fit the captured graphs (``mismatch`` said None). With ``landing``, the
+        output landing buffers themselves instead of copies, as leaves: valid until the stage's next forward replay."""
         _copy_in(self._inputs, inputs)
         _copy_in(self._targets, targets)
         self._launch("F", micro_batch)
-        return tuple(t.clone().requires_grad_(wanted) for t, wanted in zip(self._outputs, self._output_requires_grad))
+        return tuple((t.detach() if landing else t.clone()).requires_grad_(wanted)
+                     for t, wanted in zip(self._outputs, self._output_requires_grad))
 
     def mismatch(self, inputs: boundary.Flat, targets: boundary.Flat) -> str | None:
         """How a micro-batch's inputs or targets differ from those the graphs were captured with, or None."""

@@ -226,7 +226,7 @@ class StageExecutor:
         runner = self.stages[stage]
         self.transfers.send_activation(stage, micro_batch, runner.record(micro_batch).outputs,
                                        self.schedule.micro_batches, self._batch_size)
-        runner.outputs_sent(micro_batch)
+        runner.outputs_sent(micro_batch, lambda: self.transfers.send_read_event(stage, "act"))
 
     def _send_inferred(self, stage: int, micro_batch: int) -> None:
         held = self.stages[stage].micro_batches.pop(micro_batch)
@@ -238,7 +238,9 @@ class StageExecutor:
         self.stages[stage].record(micro_batch).received = received
 
     def _send_backward(self, stage: int, micro_batch: int) -> None:
-        self.transfers.send_gradient(stage, micro_batch, self.stages[stage].take_input_grads(micro_batch))
+        runner = self.stages[stage]
+        self.transfers.send_gradient(stage, micro_batch, runner.take_input_grads(micro_batch))
+        runner.input_grads_sent(micro_batch, lambda: self.transfers.send_read_event(stage, "grad"))
 
     def _recv_backward(self, stage: int, micro_batch: int) -> None:
         self.stages[stage].record(micro_batch).output_grads = self.transfers.recv_gradient(stage, micro_batch)

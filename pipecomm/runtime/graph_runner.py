@@ -29,9 +29,10 @@ from pipecomm.runtime.checks import gradient_hook
 from pipecomm.runtime.cuda_graphs import GraphedStage, signature, signature_difference
 from pipecomm.runtime.graph_order import in_flight, stage_passes
 from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.landing_loan import LandingLoan
 from pipecomm.runtime.rank_graphs import RankGraphs, Sample, sample_of
 from pipecomm.runtime.split_backward import WeightGradStore
-from pipecomm.runtime.stage_runner import EagerStage
+from pipecomm.runtime.stage_runner import EagerStage, MicroBatch
 from pipecomm.schedules.schedule import Schedule
 
 __all__: list[str] = []
@@ -130,6 +131,9 @@ class GraphRunner(EagerStage):
         self._replayed: set[int] = set()  # this step's micro-batches that replay the graphs
         self._steps_unfit = 0  # consecutive steps none of whose micro-batches fit the graphs
         self._sample: Sample | None = None  # automatic: a copy of a watched step's first micro-batch, to capture on
+        # The graphs' output and input-gradient landing buffers, sent as they are (not on the last stage, nor the
+        # input gradients on the first: those are not sent).
+        self._outputs_loan, self._input_grads_loan = _loans()
 
     def _graphs(self, sample: Sample | None) -> GraphedStage:
         """Graphs to capture, with the rank's other stages waiting (``RankGraphs``), on ``sample`` if given."""
@@ -176,6 +180,8 @@ class GraphRunner(EagerStage):
         super().start(training)
         self._replayed.clear()
         self._sample = None
+        self._outputs_loan.new_step()
+        self._input_grads_loan.new_step()
         graphed = self.graphed
         self._captured_at_start = graphed is not None and graphed.captured
         self.rank_graphs.new_step()
@@ -259,6 +265,7 @@ class GraphRunner(EagerStage):
             torch.cuda.empty_cache()  # a dropped graph's private pool stays cached, out of other allocations' reach
         self._steps_unfit = 0
         self._watch, self._timer, self._trial = ShapeWatch(), PassTimer(), False
+        self._outputs_loan, self._input_grads_loan = _loans()  # the next graphs' buffers are new
 
     def _give_up(self, reason: str) -> None:
         self._drop()
@@ -300,20 +307,30 @@ class GraphRunner(EagerStage):
                 return super().forward(micro_batch, args, kwargs, received, targets)
             if not ready:  # held, or waiting for another stage of the rank to have a micro-batch to capture on
                 return super().forward(micro_batch, args, kwargs, received, targets)
+        sent = self.scaled_loss is None  # the outputs, sent from the landing buffers; else the loss, copied
         if not self.automatic:
-            return self._replayed_forward(micro_batch, graphed.replay(micro_batch, inputs, target_leaves))
+            self._outputs_loan.before_write()
+            return self._replayed_forward(micro_batch, graphed.replay(micro_batch, inputs, target_leaves, sent))
         if graphed.mismatch(inputs, target_leaves):
             return super().forward(micro_batch, args, kwargs, received, targets)
-        return self._replayed_forward(micro_batch, graphed.replay_fitting(micro_batch, inputs, target_leaves))
+        self._outputs_loan.before_write()
+        return self._replayed_forward(micro_batch, graphed.replay_fitting(micro_batch, inputs, target_leaves, sent))
 
     def _replayed_forward(self, micro_batch: int, outputs: tuple) -> torch.Tensor | None:
         self._replayed.add(micro_batch)
         held = self.record(micro_batch)
         held.outputs = boundary.Flat(list(outputs), self.graphed.output_layout)
         if self.scaled_loss is None:
-            held.freeable = list(outputs)  # copies of the graph's landing buffers, for the send alone
+            self._outputs_loan.lend(held)
             return None
         return outputs[0].detach()
+
+    def outputs_sent(self, micro_batch: int, read_event: Callable[[], torch.cuda.Event | None]) -> None:
+        super().outputs_sent(micro_batch, read_event)
+        self._outputs_loan.sent(self.micro_batches[micro_batch], read_event)
+
+    def input_grads_sent(self, micro_batch: int, read_event: Callable[[], torch.cuda.Event | None]) -> None:
+        self._input_grads_loan.sent(self.micro_batches[micro_batch], read_event)
 
     @property
     def _timing(self) -> bool:
@@ -345,12 +362,13 @@ class GraphRunner(EagerStage):
             super().backward(micro_batch)
             return
         held = self.micro_batches[micro_batch]
+        self._input_grads_loan.before_write()
         input_grads, param_grads = self.graphed.backward(micro_batch, held.output_grads)
         held.outputs = held.output_grads = None
         held.inputs = []
         if self.index > 0:
-            # Copies: the stage's next backward replay rewrites its landing buffers, maybe before a send has read them.
-            held.input_grads = tuple(grad.clone() if grad is not None else None for grad in input_grads)
+            held.input_grads = tuple(input_grads)
+            self._input_grads_loan.lend(held)
         if param_grads is not None:  # else the graph added them into the accumulators
             self.sink.add(param_grads)
 
@@ -362,6 +380,19 @@ class GraphRunner(EagerStage):
         weight_grads = self.graphed.backward_weights(micro_batch)
         if weight_grads is not None:
             self.sink.add(weight_grads)
+
+
+def _loans() -> tuple[LandingLoan, LandingLoan]:
+    """Fresh loans of a stage's output and input-gradient landing buffers, which a borrower not sent yet copies out."""
+
+    def copy_outputs(held: MicroBatch) -> None:
+        held.outputs = held.outputs._replace(tensors=[tensor.clone().requires_grad_(tensor.requires_grad)
+                                                      for tensor in held.outputs.tensors])
+
+    def copy_input_grads(held: MicroBatch) -> None:
+        held.input_grads = tuple(grad.clone() if grad is not None else None for grad in held.input_grads)
+
+    return LandingLoan(copy_outputs), LandingLoan(copy_input_grads)
 
 
 def _free_bytes(params: list[nn.Parameter]) -> float:

@@ -114,8 +114,9 @@ class EagerStage:
         self.record(micro_batch).outputs = boundary.stage_output(output)
         return None
 
-    def outputs_sent(self, micro_batch: int) -> None:
-        """The forward's outputs were sent: their data goes where no backward reads it."""
+    def outputs_sent(self, micro_batch: int, read_event: Callable[[], torch.cuda.Event | None]) -> None:
+        """The forward's outputs were sent: their data goes where no backward reads it. ``read_event()`` gives the
+        event after which the send has read them (``Channel.send_read_event``), for a runner that writes them again."""
         held = self.micro_batches[micro_batch]
         free_data(held.freeable)
         held.freeable = []
@@ -155,6 +156,9 @@ class EagerStage:
         held = self.micro_batches[micro_batch]
         grads, held.input_grads = held.input_grads, None
         return grads
+
+    def input_grads_sent(self, micro_batch: int, read_event: Callable[[], torch.cuda.Event | None]) -> None:
+        """The input gradients ``take_input_grads`` gave were sent (``outputs_sent`` says what ``read_event`` is)."""
 
     def _backward(self, held: MicroBatch) -> None:
         """Backward of a micro-batch towards the stage's inputs and its parameters that require grad."""

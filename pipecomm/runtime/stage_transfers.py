@@ -51,6 +51,10 @@ class StageTransfers:
         with self._naming(stage, micro_batch, "send", "gradient", stage - 1):
             self._channel(stage - 1, "grad").send(grads)
 
+    def send_read_event(self, stage: int, kind: str):
+        """``Channel.send_read_event`` of the last send of ``stage``'s ``kind`` ("act" or "grad")."""
+        return self._channel(stage + 1 if kind == "act" else stage - 1, kind).send_read_event()
+
     def recv_gradient(self, stage: int, micro_batch: int) -> tuple:
         key = self._gradient_layouts.pop((stage, micro_batch), None)
         with self._naming(stage, micro_batch, "recv", "gradient", stage + 1):

@@ -114,6 +114,13 @@ class Channel(abc.ABC):
         finally:
             self._leave()
 
+    def send_read_event(self) -> torch.cuda.Event | None:
+        """An event after which the device has read the tensors of the last message sent, for a caller that writes
+        them again (a CUDA graph's landing buffer) while that copy may still be in flight: its stream waits on the
+        event before it writes. None where nothing is left to wait for (the send has read them, or reads them on the
+        caller's stream, as the backends but CUDA IPC do)."""
+        return None
+
     def send_note(self, data: bytes) -> None:
         """Sends ``data`` on the host with this end's next message, for the peer's ``recv_note`` once it has received
         that message: no device copy or wait for the GPU at either end (a stage boundary's structure header goes so)."""

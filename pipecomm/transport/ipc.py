@@ -36,6 +36,10 @@ class IpcChannel(NativeChannel):
 
     backend = "ipc"
 
+    def __init__(self, rank: int, peer_rank: int, device: torch.device, timeout: float, native):
+        super().__init__(rank, peer_rank, device, timeout, native)
+        self._copy_stream: torch.cuda.Stream | None = None  # the native channel's, once an event is recorded on it
+
     @classmethod
     def open(cls, rendezvous: Rendezvous, device: torch.device, timeout: float, num_slots: int,
              slot_bytes: int) -> IpcChannel:
@@ -61,6 +65,17 @@ class IpcChannel(NativeChannel):
         """With PIPECOMM_IPC_HOST_TIMING=1 set before connect: for send and for recv, each phase's name,
         total host microseconds and calls (Python's own share is not in them). Empty lists otherwise."""
         return self._native.host_phase_times()
+
+    def send_read_event(self):
+        # A large message is copied on the channel's stream, ordered after the caller's: the event follows it there.
+        # A small one goes on the caller's stream, which then orders it by itself; the event costs it nothing.
+        if self._copy_stream is None:
+            stream_id, device_index, device_type = self._native.channel_stream()
+            self._copy_stream = torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
+                                                  device_type=device_type)
+        event = torch.cuda.Event()
+        event.record(self._copy_stream)
+        return event
 
     def _recv_keyed(self, layout_key):
         return self._native.recv(layout_key)
