@@ -131,6 +131,8 @@ def overwritten_after_the_read_event(rank: int, world_size: int, backend: str, k
             if event is not None:
                 event.wait()
             source.fill_(-1.0)
+    with pytest.raises(transport.ProtocolError, match="cannot send_read_event: the channel was closed"):
+        channel.send_read_event()
     return wrong
 
 

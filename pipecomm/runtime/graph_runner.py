@@ -383,16 +383,17 @@ class GraphRunner(EagerStage):
 
 
 def _loans() -> tuple[LandingLoan, LandingLoan]:
-    """Fresh loans of a stage's output and input-gradient landing buffers, which a borrower not sent yet copies out."""
+    """Fresh loans of a stage's output and input-gradient landing buffers."""
+    return LandingLoan(_copy_outputs), LandingLoan(_copy_input_grads)
 
-    def copy_outputs(held: MicroBatch) -> None:
-        held.outputs = held.outputs._replace(tensors=[tensor.clone().requires_grad_(tensor.requires_grad)
-                                                      for tensor in held.outputs.tensors])
 
-    def copy_input_grads(held: MicroBatch) -> None:
-        held.input_grads = tuple(grad.clone() if grad is not None else None for grad in held.input_grads)
+def _copy_outputs(held: MicroBatch) -> None:
+    held.outputs = held.outputs._replace(tensors=[tensor.clone().requires_grad_(tensor.requires_grad)
+                                                  for tensor in held.outputs.tensors])
 
-    return LandingLoan(copy_outputs), LandingLoan(copy_input_grads)
+
+def _copy_input_grads(held: MicroBatch) -> None:
+    held.input_grads = tuple(grad.clone() if grad is not None else None for grad in held.input_grads)
 
 
 def _free_bytes(params: list[nn.Parameter]) -> float:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
+
 from pipecomm.runtime import boundary
 from pipecomm.schedules.schedule import Schedule
 from pipecomm.transport.channel import Channel, ChannelError
@@ -51,7 +53,7 @@ class StageTransfers:
         with self._naming(stage, micro_batch, "send", "gradient", stage - 1):
             self._channel(stage - 1, "grad").send(grads)
 
-    def send_read_event(self, stage: int, kind: str):
+    def send_read_event(self, stage: int, kind: str) -> torch.cuda.Event | None:
         """``Channel.send_read_event`` of the last send of ``stage``'s ``kind`` ("act" or "grad")."""
         return self._channel(stage + 1 if kind == "act" else stage - 1, kind).send_read_event()
 

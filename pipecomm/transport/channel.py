@@ -119,7 +119,11 @@ class Channel(abc.ABC):
         them again (a CUDA graph's landing buffer) while that copy may still be in flight: its stream waits on the
         event before it writes. None where nothing is left to wait for (the send has read them, or reads them on the
         caller's stream, as the backends but CUDA IPC do)."""
-        return None
+        self._enter("send_read_event")
+        try:
+            return self._send_read_event()
+        finally:
+            self._leave()
 
     def send_note(self, data: bytes) -> None:
         """Sends ``data`` on the host with this end's next message, for the peer's ``recv_note`` once it has received
@@ -313,6 +317,11 @@ class Channel(abc.ABC):
 
     def _settle(self) -> None:
         """Checks the messages received ahead of their notes."""
+
+    def _send_read_event(self) -> torch.cuda.Event | None:
+        """``send_read_event``'s event; None for a backend whose sends read their tensors before they return or on the
+        caller's stream."""
+        return None
 
     @abc.abstractmethod
     def _send_note(self, data: bytes) -> None:

@@ -66,7 +66,7 @@ class IpcChannel(NativeChannel):
         total host microseconds and calls (Python's own share is not in them). Empty lists otherwise."""
         return self._native.host_phase_times()
 
-    def send_read_event(self):
+    def _send_read_event(self):
         # A large message is copied on the channel's stream, ordered after the caller's: the event follows it there.
         # A small one goes on the caller's stream, which then orders it by itself; the event costs it nothing.
         if self._copy_stream is None:
