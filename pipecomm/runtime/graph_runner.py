@@ -388,8 +388,7 @@ def _loans() -> tuple[LandingLoan, LandingLoan]:
 
 
 def _copy_outputs(held: MicroBatch) -> None:
-    held.outputs = held.outputs._replace(tensors=[tensor.clone().requires_grad_(tensor.requires_grad)
-                                                  for tensor in held.outputs.tensors])
+    held.outputs = boundary.detached_copy(held.outputs, keep_requires_grad=True)
 
 
 def _copy_input_grads(held: MicroBatch) -> None:
