@@ -82,7 +82,7 @@ class _Writes(TorchDispatchMode):
                 tensor.copy_(value)
 
 
-def _capture_into(graph: StandInGraph, run, pool, stream) -> None:
+def _capture_into(graph: StandInGraph, run, pool, stream, empty_ok: bool) -> None:
     """A capture records kernels and runs none: the run's writes into what existed before it are undone."""
     graph.run = run
     writes = _Writes(keep=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -197,6 +198,31 @@ def test_split_backward_replays_equal_eager_input_and_weight_gradients():
             deferred = param.dim() == 2  # the Linear weights; biases come with the input gradients
             assert (early is None) == deferred and (late is None) != deferred
             torch.testing.assert_close(late if deferred else early, next(expected_params))
+
+
+@needs_cuda
+def test_a_weight_pass_with_nothing_deferred_is_captured_without_torchs_empty_graph_warning():
+    """A stage of no Linear (or whose Linears run inside compiled regions) defers nothing, so its W graphs are empty:
+    expected, and not worth torch's warning, which blames a wrong device or stream."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.LayerNorm(16), nn.Tanh()).cuda()
+    reference = copy.deepcopy(module)
+    params = list(module.parameters())
+    store = WeightGradStore()
+    defer_linear_weight_grads([module], store)
+    graphed = GraphedStage(module, GradientSink(params, main_grad=False), _passes("F0", "I0", "W0"), stage=1,
+                           loss=None, weight_grad_store=store)
+    x, grad = torch.randn(4, 16, device="cuda", requires_grad=True), torch.randn(4, 16, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed.forward(0, (x,), ())
+        input_grads, param_grads = graphed.backward(0, (grad,))
+        graphed.backward_weights(0)
+    assert not [w for w in caught if "CUDA Graph is empty" in str(w.message)], [str(w.message) for w in caught]
+    leaf = x.detach().clone().requires_grad_()
+    expected = torch.autograd.grad(reference(leaf), [leaf, *reference.parameters()], grad)
+    for got, want in zip([input_grads[0], *param_grads], expected):
+        torch.testing.assert_close(got, want)
 
 
 @needs_cuda

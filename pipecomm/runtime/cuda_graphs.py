@@ -29,6 +29,7 @@ off).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -387,7 +388,7 @@ class GraphedStage:
                 member, kept = by_stage[stage], held[stage]
                 graph = torch.cuda.CUDAGraph()
                 with segments:
-                    _capture_into(graph, member._pass(kind, micro_batch, kept), pool, stream)
+                    _capture_into(graph, member._pass(kind, micro_batch, kept), pool, stream, empty_ok=kind == "W")
                 member._graphs[(kind, micro_batch)] = graph
                 if kind == "F":
                     # Sent on through the landing buffers: their memory goes back to the pool, as eager frees it.
@@ -555,10 +556,16 @@ class GraphedStage:
         return input_grads, [next(produced) if p.requires_grad else None for p in self.params]
 
 
-def _capture_into(graph: torch.cuda.CUDAGraph, run: Callable[[], None], pool, stream: torch.cuda.Stream) -> None:
-    """``run``'s kernels captured into ``graph``, its memory from ``pool``."""
-    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        run()
+def _capture_into(graph: torch.cuda.CUDAGraph, run: Callable[[], None], pool, stream: torch.cuda.Stream,
+                  empty_ok: bool) -> None:
+    """``run``'s kernels captured into ``graph``, its memory from ``pool``. With ``empty_ok``, without torch's warning
+    that the graph is empty (which blames a wrong device or stream): a W pass of a stage that deferred nothing, its
+    Linears inside compiled regions, is empty, and the Pipeline has said why once already."""
+    with warnings.catch_warnings():
+        if empty_ok:
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            run()
 
 
 class _ExpandableSegments:
