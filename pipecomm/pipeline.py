@@ -184,10 +184,17 @@ class Pipeline:
         ``inputs`` and ``kwargs`` (e.g. ``attention_mask=``) are the first stage's positional and keyword
         arguments, ``target`` (a tuple: several) the arguments of ``loss_fn`` after the output; any of
         them may be pytrees, whose tensors are split along dim 0 into the micro-batches (every tensor
-        of the inputs and the targets must have the same batch size there). A failure on any rank,
-        bad arguments included, fails the call on every rank (see the module docstring).
+        of the inputs and the targets must have the same batch size there). It needs autograd on: under
+        ``torch.no_grad()`` it raises (``forward`` is the inference). A failure on any rank, bad arguments
+        included, fails the call on every rank (see the module docstring).
         """
         with self.calls.call("step"):
+            if not torch.is_grad_enabled():
+                # Every stage would then look frozen: the step returned the loss and computed no gradient, silently.
+                raise RuntimeError(f"Pipeline rank {self.rank}: step trains (a forward and a backward per "
+                                   "micro-batch), but autograd is off here (torch.no_grad() or "
+                                   "torch.inference_mode()), so it would compute no gradient; call it with autograd "
+                                   "on, or Pipeline.forward for inference")
             self._prepared.check_parameters()
             self._tuning.before_step()
             self._sharded.gather_ahead()

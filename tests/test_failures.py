@@ -79,6 +79,21 @@ def indivisible_batch(rank, world_size, clock):
     return pipe, lambda: (note_fault(clock) if rank == 0 else None, pipe.step(x, target=y))
 
 
+def autograd_off(rank, world_size, clock):
+    """One rank's training loop wraps the step in torch.no_grad(), as an evaluation loop would."""
+    pipe = make_pipe(rank, world_size)
+    x, y = data()
+
+    def step():
+        if rank != 1:
+            return pipe.step(x, target=y)
+        note_fault(clock)
+        with torch.no_grad():
+            return pipe.step(x, target=y)
+
+    return pipe, step
+
+
 def wrong_target_batch(rank, world_size, clock):
     pipe = make_pipe(rank, world_size)
     x, y = data(8, target_batch=4)  # divisible by the micro-batches, so only the last stage can tell
@@ -253,6 +268,7 @@ def fault_run(rank: int, world_size: int, scenario, clock: str) -> dict:
 CASES = {
     # scenario: (ranks, the ranks that die, the failing rank's error type, what every rank's error must contain)
     "indivisible batch on 3 stages": (indivisible_batch, 3, (), "ValueError", "not divisible by micro_batches=4"),
+    "step with autograd off on one rank": (autograd_off, 2, (), "RuntimeError", "autograd is off"),
     "target of the wrong batch size": (wrong_target_batch, 3, (), "ValueError", "target has batch size 4 but the inputs have 8"),
     "a peer's Pipeline cannot be built": (construction_fails, 2, (), "ValueError", "unknown schedule 'pipedream'"),
     "micro_batches differ between ranks": (micro_batches_differ, 2, (), "ValueError",
