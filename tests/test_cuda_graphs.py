@@ -310,7 +310,7 @@ def _held_bytes(order: list[tuple[int, str, int]], graphed: bool) -> tuple[int, 
             runner = runners[stage]
             if kind == "F":
                 x = received()
-                runner.forward(m, (x,), {}, [x], ())
+                runner.forward(m, (x,), {}, [x], (), [])
                 runner.outputs_sent(m, lambda: None)
                 del x
             elif kind == "W":

@@ -447,6 +447,48 @@ def test_a_skip_crosses_several_stages_and_an_unused_input_gets_no_gradient(tmp_
     run_ranks(4, train_like_one_process, tmp_path, skip_stages, float_batch, mse, timeout=120)
 
 
+# -- the caller's tensors that require grad ----------------------------------------------------------
+
+
+def data_gradients(rank: int, world_size: int, options: dict) -> list[str]:
+    """A step of every schedule whose inputs and targets require grad: their gradients, the parameters' and the
+    loss equal one process's, where loss.backward() sends gradients into the caller's graph too."""
+    checked = []
+    for schedule, chunks in SCHEDULES:
+        num_stages = world_size * chunks
+        torch.manual_seed(0)
+        stages = [nn.Sequential(Block(), nn.Tanh()) for _ in range(num_stages)]
+        reference = copy.deepcopy(stages)
+        mine = held_stages(schedule, world_size, 4, chunks, rank)
+        pipe = pipecomm.Pipeline([stages[s] for s in mine], stage=mine, num_stages=num_stages, loss_fn=mse,
+                                 micro_batches=4, schedule=schedule, timeout=30, **options)
+        (x,), kwargs, target = float_batch(0)
+        ref_x, ref_target = x.clone().requires_grad_(), target.clone().requires_grad_()
+        loss = pipe.step(x.requires_grad_(), target=target.requires_grad_())
+        pipe.close()
+        torch.testing.assert_close(loss, one_process(reference, (ref_x,), kwargs, ref_target, mse), **TOLERANCE)
+        for name, data, ref, held in (("input", x, ref_x, 0 in mine), ("target", target, ref_target,
+                                                                       num_stages - 1 in mine)):
+            if held:
+                torch.testing.assert_close(data.grad, ref.grad, **TOLERANCE, msg=f"{schedule}: the {name}'s gradient")
+            else:  # another rank's stage reads it
+                assert data.grad is None, f"{schedule}: the {name} of a rank without its stage got a gradient"
+        if not options:
+            for s in mine:
+                for (name, param), ref in zip(stages[s].named_parameters(), reference[s].parameters()):
+                    torch.testing.assert_close(param.grad, ref.grad, **TOLERANCE, msg=f"{schedule}, {s}: {name}")
+        checked.append(schedule)
+    return checked
+
+
+@pytest.mark.parametrize("options", [{}, {"main_grad": True}], ids=["grad", "main_grad"])
+def test_inputs_and_targets_that_require_grad_get_one_process_gradients(tmp_path, options):
+    """Every schedule, whether autograd accumulates the parameters' gradients (1f1b into .grad) or the pipeline adds
+    them (zero-bubble, main_grad): the first stage's inputs and the last stage's targets get theirs."""
+    names = [name for name, _ in SCHEDULES]
+    assert run_ranks(2, data_gradients, tmp_path, options, timeout=120) == [names, names]
+
+
 
 def inference(rank: int, world_size: int, schedule: str, chunks: int) -> str:
     num_stages = world_size * chunks

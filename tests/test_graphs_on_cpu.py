@@ -36,10 +36,10 @@ class _HostBound:
 
 
 def _train(monkeypatch, schedule: str, stages: int, cuda_graphs, steps: int = 6,
-           zero_grad: bool = True) -> pipecomm.Pipeline:
+           zero_grad: bool = True, data_grads: bool = False) -> pipecomm.Pipeline:
     """``steps`` steps of a one-rank Pipeline whose stages replay stand-in graphs (with two stages on the rank, a
     Linear tied across them), losses and gradients equal one process's every step (without ``zero_grad``, summed
-    over the steps); the Pipeline."""
+    over the steps; with ``data_grads``, the inputs' and targets' too, which require grad); the Pipeline."""
     monkeypatch.setattr(graph_runner, "PassTimer", _HostBound)
     monkeypatch.setattr(_HostBound, "watched", True)
     # "auto" passes the Pipeline's check of a CPU device; the runners get the mode asked for.
@@ -52,11 +52,14 @@ def _train(monkeypatch, schedule: str, stages: int, cuda_graphs, steps: int = 6,
     pipe = pipecomm.Pipeline(modules if stages > 1 else modules[0], stage=list(range(stages)) if stages > 1 else 0,
                              num_stages=stages, micro_batches=4, loss_fn=nn.functional.mse_loss, schedule=schedule)
     for step in range(steps):
-        x, y = torch.randn(16, 8), torch.randn(16, 4)
+        x, y = torch.randn(16, 8, requires_grad=data_grads), torch.randn(16, 4, requires_grad=data_grads)
+        ref_x, ref_y = x.detach().requires_grad_(data_grads), y.detach().requires_grad_(data_grads)
         loss = pipe.step(x, target=y)
-        expected = sum(nn.functional.mse_loss(reference(a), b) / 4 for a, b in zip(x.chunk(4), y.chunk(4)))
+        expected = sum(nn.functional.mse_loss(reference(a), b) / 4 for a, b in zip(ref_x.chunk(4), ref_y.chunk(4)))
         expected.backward()
         torch.testing.assert_close(loss, expected.detach(), **TOLERANCE)
+        for data, ref in ((x, ref_x), (y, ref_y)) if data_grads else ():
+            torch.testing.assert_close(data.grad, ref.grad, **TOLERANCE, msg=f"the data's gradient, step {step}")
         for param, ref in zip(nn.Sequential(*modules).parameters(), reference.parameters()):
             torch.testing.assert_close(param.grad, ref.grad, **TOLERANCE, msg=f"step {step}")
             if zero_grad:
@@ -87,6 +90,19 @@ def test_graphed_gradients_add_up_over_steps_without_zero_grad(monkeypatch, sche
     stand_in_graphs(monkeypatch)
     pipe = _train(monkeypatch, schedule, stages, True, zero_grad=False)
     assert set(pipe.cuda_graph_states.values()) == {"replaying"}
+
+
+@pytest.mark.parametrize(("schedule", "stages"), [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)])
+def test_inputs_and_targets_that_require_grad_run_eagerly_or_are_refused(monkeypatch, schedule, stages):
+    """The caller's inputs and targets that require grad get their gradients, which go on into the caller's autograd
+    graph, where no CUDA graph reaches: "auto" runs their micro-batches eagerly and captures none of them, exact
+    every step; cuda_graphs=True refuses them by name."""
+    stand_in_graphs(monkeypatch)
+    pipe = _train(monkeypatch, schedule, stages, "auto", data_grads=True)
+    assert "replaying" not in pipe.cuda_graph_states.values(), pipe.cuda_graph_states
+    assert StandInGraph.replays == 0
+    with pytest.raises(ValueError, match="of the caller's input or target tensors require grad"):
+        _train(monkeypatch, schedule, stages, True, data_grads=True)
 
 
 def test_a_failed_check_of_stages_captured_together_leaves_both_eager(monkeypatch):

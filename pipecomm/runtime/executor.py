@@ -163,6 +163,8 @@ class StageExecutor:
         """Per-call state: what a step or an inference reads and fills as its actions run."""
         self._inputs, self._targets = inputs, targets
         self._batch_size, self._target_batch = batch_size, target_batch
+        # Whether the caller's inputs or targets require grad (each micro-batch's do alike): one look per step.
+        self._inputs_need_grad, self._targets_need_grad = _requires_grad(inputs), _requires_grad(targets)
         self._micro_batches = micro_batches
         for runner in self.stages.values():
             runner.start(training=micro_batches is not None)
@@ -177,6 +179,14 @@ class StageExecutor:
     def _scaled_loss(self, output, *targets) -> torch.Tensor:
         # The one place the loss is scaled: the step's gradients then average the micro-batches.
         return self.loss_fn(output, *targets) / self.schedule.micro_batches
+
+    def _callers_tensors(self, stage: int, args: tuple, kwargs: dict, targets: tuple) -> list[torch.Tensor]:
+        """The caller's tensors among a micro-batch's first-stage arguments and last-stage targets that require grad:
+        their gradients go on into the caller's autograd graph, as ``loss.backward()`` in one process sends them."""
+        parts = [(args, kwargs)] if stage == 0 and self._inputs_need_grad else []
+        if stage == self.last_stage and self._targets_need_grad:
+            parts.append(targets)
+        return [tensor for part in parts for tensor in boundary.flatten(part).tensors if tensor.requires_grad]
 
     def _stage_arguments(self, stage: int, micro_batch: int) -> tuple[tuple, dict, list[torch.Tensor]]:
         """A forward's positional and keyword arguments, and the received tensors among them (none on the first
@@ -193,7 +203,8 @@ class StageExecutor:
     def _forward(self, stage: int, micro_batch: int) -> None:
         args, kwargs, received = self._stage_arguments(stage, micro_batch)
         targets = self._targets[micro_batch] if stage == self.last_stage else ()
-        loss = self.stages[stage].forward(micro_batch, args, kwargs, received, targets)
+        loss = self.stages[stage].forward(micro_batch, args, kwargs, received, targets,
+                                          self._callers_tensors(stage, args, kwargs, targets))
         if loss is not None:
             self._loss = loss if self._loss is None else self._loss + loss
 
@@ -252,3 +263,8 @@ def validated_forward_schedule(num_ranks: int, micro_batches: int, placement: tu
     schedule = forward_schedule(num_ranks, micro_batches, placement)
     validate(schedule)
     return schedule
+
+
+def _requires_grad(micro_batches: list | None) -> bool:
+    """Whether any tensor of the first of a step's micro-batch structures requires grad."""
+    return bool(micro_batches) and any(tensor.requires_grad for tensor in boundary.flatten(micro_batches[0]).tensors)

@@ -56,12 +56,14 @@ class ShapeWatch:
         self._step: tuple | None = None  # this step's signature; None before its first micro-batch
         self._mixed = False  # this step's micro-batches differ among themselves
 
-    def see(self, args: tuple, kwargs: dict, targets: tuple) -> None:
+    def see(self, args: tuple, kwargs: dict, targets: tuple, servable: bool = True) -> None:
+        """A micro-batch of this step; one the graphs could not serve (``servable`` False) makes no step alike."""
         seen = signature(boundary.flatten((args, kwargs)), boundary.flatten(targets))
         if self._step is None:
             self._step = seen
         elif signature_difference(seen, self._step):
             self._mixed = True
+        self._mixed |= not servable
 
     def step_done(self) -> None:
         step = None if self._mixed else self._step
@@ -276,16 +278,23 @@ class GraphRunner(EagerStage):
     # -- actions --------------------------------------------------------------------------------
 
     def forward(self, micro_batch: int, args: tuple, kwargs: dict, received: list[torch.Tensor],
-                targets: tuple) -> torch.Tensor | None:
+                targets: tuple, callers: list[torch.Tensor]) -> torch.Tensor | None:
+        if callers and not self.automatic:
+            raise ValueError(f"cuda_graphs=True: stage {self.index}, micro-batch {micro_batch}: "
+                             f"{len(callers)} of the caller's input or target tensors require grad, and their "
+                             "gradients go on into the caller's autograd graph, which no CUDA graph reaches; pass "
+                             "them without requires_grad, or use cuda_graphs='auto' (such micro-batches then run "
+                             "eagerly) or False")
         graphed, timing = self.graphed, self._timing
         started = self._timer.start() if timing else None
-        if graphed is None:
-            if timing:  # watching
-                self._watch.see(args, kwargs, targets)
-                if self._sample is None and self._watch.steps_alike >= _STEPS_ALIKE - 1 and not self.held:
+        if graphed is None or callers:  # the caller's tensors that require grad: eagerly, as no graph reaches them
+            if timing and graphed is None:  # watching
+                self._watch.see(args, kwargs, targets, servable=not callers)
+                if (self._sample is None and not callers and self._watch.steps_alike >= _STEPS_ALIKE - 1
+                        and not self.held):
                     # A capture may follow this step: a micro-batch to capture on.
                     self._sample = sample_of(boundary.flatten((args, kwargs)), boundary.flatten(targets))
-            loss = super().forward(micro_batch, args, kwargs, received, targets)
+            loss = super().forward(micro_batch, args, kwargs, received, targets, callers)
         else:
             loss = self._graphed_forward(graphed, micro_batch, args, kwargs, received, targets)
         if timing:
@@ -304,15 +313,15 @@ class GraphRunner(EagerStage):
                 message = str(error).strip().splitlines()
                 self._give_up(f"capturing its CUDA graphs failed ({type(error).__name__}: "
                               f"{message[0] if message else 'no message'})")
-                return super().forward(micro_batch, args, kwargs, received, targets)
+                return super().forward(micro_batch, args, kwargs, received, targets, [])
             if not ready:  # held, or waiting for another stage of the rank to have a micro-batch to capture on
-                return super().forward(micro_batch, args, kwargs, received, targets)
+                return super().forward(micro_batch, args, kwargs, received, targets, [])
         sent = self.scaled_loss is None  # the outputs, sent from the landing buffers; else the loss, copied
         if not self.automatic:
             self._outputs_loan.before_write()
             return self._replayed_forward(micro_batch, graphed.replay(micro_batch, inputs, target_leaves, sent))
         if graphed.mismatch(inputs, target_leaves):
-            return super().forward(micro_batch, args, kwargs, received, targets)
+            return super().forward(micro_batch, args, kwargs, received, targets, [])
         self._outputs_loan.before_write()
         return self._replayed_forward(micro_batch, graphed.replay_fitting(micro_batch, inputs, target_leaves, sent))
 

@@ -24,6 +24,7 @@ class MicroBatch:
 
     received: boundary.Received | None = None  # the message its forward reads (not on the first stage)
     inputs: list[torch.Tensor] = field(default_factory=list)  # the received tensors that gradients answer
+    callers: list[torch.Tensor] = field(default_factory=list)  # the caller's data and targets that require grad
     outputs: boundary.Flat | None = None  # the forward's output (the loss on the last stage) until the backward
     freeable: list[torch.Tensor] = field(default_factory=list)  # outputs whose data their send may drop
     output_grads: tuple | None = None  # the gradients of the outputs, received (the loss's: ones)
@@ -78,11 +79,12 @@ class EagerStage:
         return held
 
     def forward(self, micro_batch: int, args: tuple, kwargs: dict, received: list[torch.Tensor],
-                targets: tuple) -> torch.Tensor | None:
+                targets: tuple, callers: list[torch.Tensor]) -> torch.Tensor | None:
         """The forward of one micro-batch, whose ``received`` tensors are among ``args`` (and on the last stage its
-        loss, which it returns detached)."""
+        loss, which it returns detached). ``callers``: the caller's tensors among the arguments and targets that
+        require grad, whose gradients the backward sends on into the caller's autograd graph."""
         held = self.record(micro_batch)
-        held.inputs = received
+        held.inputs, held.callers = received, callers
         store = self.weight_grad_store
         if store:
             store.recording = held.deferrals
@@ -162,19 +164,22 @@ class EagerStage:
 
     def _backward(self, held: MicroBatch) -> None:
         """Backward of a micro-batch towards the stage's inputs and its parameters that require grad."""
-        outputs, grads, inputs = held.outputs.tensors, held.output_grads, held.inputs
+        outputs, grads, inputs, callers = held.outputs.tensors, held.output_grads, held.inputs, held.callers
         held.outputs = held.output_grads = None
-        held.inputs = []
+        held.inputs, held.callers = [], []
         wanted = [tensor for tensor in inputs if tensor.requires_grad]
         # Where Linear layers defer, their weight aliases are leaves too: only the sink's parameters are asked for.
         if self.sink.autograd_accumulates and self.weight_grad_store is None:
+            # Into every leaf, the caller's graph behind ``callers`` included, as loss.backward() goes.
             run_backward(outputs, grads, (), keep_graph=False, accumulate=True)
             input_grads = [_take_grad(tensor) for tensor in wanted]
         else:
             params = [p for p in self.sink.params if p.requires_grad]
-            results = run_backward(outputs, grads, wanted + params, keep_graph=False)
+            results = run_backward(outputs, grads, wanted + params + callers, keep_graph=False)
             input_grads = results[: len(wanted)]
-            self.sink.add(results[len(wanted):], params)
+            self.sink.add(results[len(wanted):len(wanted) + len(params)], params)
+            if callers:
+                run_backward(callers, results[len(wanted) + len(params):], (), keep_graph=False, accumulate=True)
         if self.index > 0:  # the first stage's inputs are data
             remaining = iter(input_grads)
             held.input_grads = tuple(next(remaining) if tensor.requires_grad else None for tensor in inputs)
