@@ -447,6 +447,49 @@ def test_a_skip_crosses_several_stages_and_an_unused_input_gets_no_gradient(tmp_
     run_ranks(4, train_like_one_process, tmp_path, skip_stages, float_batch, mse, timeout=120)
 
 
+# -- torch's checkpoints -------------------------------------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    """A Linear, then a block under torch.utils.checkpoint (Hugging Face's gradient checkpointing calls it so)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.pre, self.block, self.reentrant = nn.Linear(HIDDEN, HIDDEN), Block(), reentrant
+
+    def forward(self, x):
+        return torch.tanh(checkpoint(self.block, self.pre(x), use_reentrant=self.reentrant))
+
+
+def checkpointed_stages(reentrant: bool, num_stages: int) -> list[nn.Module]:
+    return [Checkpointed(reentrant) for _ in range(num_stages)]
+
+
+def test_checkpointed_blocks_train_exactly(tmp_path):
+    """use_reentrant=False under every schedule; use_reentrant=True, whose backward accumulates into .grad itself,
+    under the schedules whose backward lets autograd accumulate (the others refuse it: below)."""
+    run_ranks(2, train_like_one_process, tmp_path, functools.partial(checkpointed_stages, False), float_batch, mse,
+              timeout=120)
+    whole = tuple(entry for entry in SCHEDULES if not entry[0].startswith("zb"))
+    run_ranks(2, train_like_one_process, tmp_path, functools.partial(checkpointed_stages, True), float_batch, mse,
+              whole, timeout=120)
+
+
+@pytest.mark.parametrize(("schedule", "options", "asks"), [
+    ("zb-h1", {}, "the zero-bubble schedule's split backward"),
+    ("1f1b", {"main_grad": True}, "main_grad=True's accumulation"),
+])
+def test_a_reentrant_checkpoint_where_gradients_are_asked_for_by_name_is_refused_saying_what_to_do(schedule, options,
+                                                                                                   asks):
+    pipe = pipecomm.Pipeline(Checkpointed(reentrant=True), stage=0, num_stages=1, loss_fn=mse, micro_batches=2,
+                             schedule=schedule, **options)
+    (x,), _, target = float_batch(0)
+    with pytest.raises(RuntimeError, match=f"use_reentrant=True.*{asks}.*use_reentrant=False") as raised:
+        pipe.step(x, target=target)
+    where = "I pass (input gradients)" if schedule == "zb-h1" else "backward"
+    assert raised.value.__notes__ == [f"pipecomm: in the {where} of stage 0, micro-batch 0, on pipeline rank 0"]
+
+
 # -- the caller's tensors that require grad ----------------------------------------------------------
 
 

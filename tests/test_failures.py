@@ -321,6 +321,12 @@ def test_every_rank_raises_within_seconds_naming_the_cause(tmp_path, name):
         assert refused, f"rank {rank}'s Pipeline did not refuse the next call"
 
 
+def test_a_peer_hears_which_action_of_which_micro_batch_failed(tmp_path):
+    """A compute action's error carries where it came from (a note on the failing rank), and the peers get it too."""
+    _, _, text, _ = run_case("loss raises (peer waits on shm)", tmp_path)[0]
+    assert "in the forward of stage 1, micro-batch 2, on pipeline rank 1: ArithmeticError: the loss" in text, text
+
+
 def overlapping_threads(rank: int, world_size: int) -> list:
     """Two Pipelines on one group, stepped from two threads: the overlapping call is refused on every rank, and the
     other Pipeline's losses stay exact."""

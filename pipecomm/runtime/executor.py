@@ -11,6 +11,7 @@ from torch import nn
 
 from pipecomm.runtime import boundary
 from pipecomm.runtime.device_timing import DeviceTimeline
+from pipecomm.runtime.failure import NOTE_PREFIX
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.microbatch import check_received_batch, check_target_batch
 from pipecomm.runtime.offload import ActivationOffloader
@@ -116,18 +117,23 @@ class StageExecutor:
         if device:
             device.start_step()
         reloads = self._reloads
-        for index, action in enumerate(self.schedule.actions[self.rank]):
-            started = time.perf_counter()
-            if reloads and index in reloads:
-                for wait in reloads[index]:
-                    self.offloader.reload(wait)
-            timed = device is not None and action.is_compute
-            if timed:
-                device.mark()
-            handlers[action.kind](action.stage, action.micro_batch)
-            if timed:
-                device.mark()
-            self.timeline.append((started, time.perf_counter(), action))
+        action = None
+        try:
+            for index, action in enumerate(self.schedule.actions[self.rank]):
+                started = time.perf_counter()
+                if reloads and index in reloads:
+                    for wait in reloads[index]:
+                        self.offloader.reload(wait)
+                timed = device is not None and action.is_compute
+                if timed:
+                    device.mark()
+                handlers[action.kind](action.stage, action.micro_batch)
+                if timed:
+                    device.mark()
+                self.timeline.append((started, time.perf_counter(), action))
+        except Exception as error:
+            _note_action(error, action, self.rank)
+            raise
         if device:
             device.end_step()
         self.transfers.settle_gradients()
@@ -153,9 +159,14 @@ class StageExecutor:
             self._micro_batches = len(inputs)
         handlers = {"F": self._infer, "SEND_F": self._send_inferred, "RECV_F": self._recv_forward}
         inference = validated_forward_schedule(self.schedule.num_ranks, self._micro_batches, self.schedule.placement)
-        for action in inference.actions[self.rank]:
-            if action != first_message:
-                handlers[action.kind](action.stage, action.micro_batch)
+        action = None
+        try:
+            for action in inference.actions[self.rank]:
+                if action != first_message:
+                    handlers[action.kind](action.stage, action.micro_batch)
+        except Exception as error:
+            _note_action(error, action, self.rank)
+            raise
         return self._inferred if self.last_stage in self.stages else None
 
     def _start(self, inputs, targets, batch_size: int | None, target_batch: int | None,
@@ -268,3 +279,13 @@ def validated_forward_schedule(num_ranks: int, micro_batches: int, placement: tu
 def _requires_grad(micro_batches: list | None) -> bool:
     """Whether any tensor of the first of a step's micro-batch structures requires grad."""
     return bool(micro_batches) and any(tensor.requires_grad for tensor in boundary.flatten(micro_batches[0]).tensors)
+
+
+_PASSES = {"F": "forward", "B": "backward", "I": "I pass (input gradients)", "W": "W pass (weight gradients)"}
+
+
+def _note_action(error: Exception, action: Action | None, rank: int) -> None:
+    """Adds to an error where in the schedule it came from, if a compute action's (the transfers name their own)."""
+    if action is not None and action.kind in _PASSES:
+        error.add_note(f"{NOTE_PREFIX}in the {_PASSES[action.kind]} of stage {action.stage}, micro-batch "
+                       f"{action.micro_batch}, on pipeline rank {rank}")

@@ -75,9 +75,16 @@ class FailureNotes:
         return "; ".join(found)
 
 
+# Leads the notes pipecomm adds to an error raised inside a step (where it came from), which ``describe`` puts first.
+NOTE_PREFIX = "pipecomm: "
+
+
 def describe(error: BaseException, limit: int = 4000) -> str:
-    """An error as one line for other ranks' messages: its type and text."""
+    """An error as one line for other ranks' messages: where in the step it came from, if noted, its type and text."""
     text = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    where = [note[len(NOTE_PREFIX):] for note in getattr(error, "__notes__", ()) if note.startswith(NOTE_PREFIX)]
+    if where:
+        text = f"{'; '.join(where)}: {text}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -72,6 +72,17 @@ class EagerStage:
             return "main_grad=True's accumulation"
         return None
 
+    def _reentrant_checkpoint(self) -> str:
+        """Why a reentrant checkpoint cannot run in this stage's backward, and what to do instead (the executor's note
+        on the error says where)."""
+        asks = self.skips_post_accumulate_hooks() or "a sharded stage's gradient path"
+        return ("the stage runs torch.utils.checkpoint with use_reentrant=True, whose backward runs apart from the "
+                f"one that called it and so cannot hand back the gradients that {asks} asks autograd for; "
+                "checkpoint with use_reentrant=False (Hugging "
+                "Face: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), "
+                "use the Pipeline's recompute=, or a schedule that does not split the backward (1f1b) without "
+                "main_grad")
+
     def record(self, micro_batch: int) -> MicroBatch:
         held = self.micro_batches.get(micro_batch)
         if held is None:
@@ -175,7 +186,12 @@ class EagerStage:
             input_grads = [_take_grad(tensor) for tensor in wanted]
         else:
             params = [p for p in self.sink.params if p.requires_grad]
-            results = run_backward(outputs, grads, wanted + params + callers, keep_graph=False)
+            try:
+                results = run_backward(outputs, grads, wanted + params + callers, keep_graph=False)
+            except RuntimeError as error:
+                if "use_reentrant=True" not in str(error):
+                    raise
+                raise RuntimeError(self._reentrant_checkpoint()) from error
             input_grads = results[: len(wanted)]
             self.sink.add(results[len(wanted):len(wanted) + len(params)], params)
             if callers:
