@@ -49,7 +49,7 @@ from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.links import NeighbourLinks
 from pipecomm.runtime.prepared_stages import PreparedStages
 from pipecomm.runtime.step_tuning import StepTuning
-from pipecomm.schedules.offload import OffloadPlan
+from pipecomm.schedules.offload import OffloadPlan, check_plan
 from pipecomm.schedules.schedule import Schedule, built_for_costs
 
 __all__ = ["Pipeline"]
@@ -142,6 +142,8 @@ class Pipeline:
             sharded = self._sharded = ShardedStages(self.modules)
             check_options(self.device, auto=auto, sharded=bool(sharded), cuda_graphs=cuda_graphs is True,
                           device_timing=device_timing, main_grad=main_grad, offload=offload)
+            if isinstance(offload, OffloadPlan):
+                check_plan(offload, starting)  # before any communication: each rank raises its own error
             cuda_graphs = graph_mode(cuda_graphs, self.device, modules, sharded=bool(sharded), offload=offload,
                                      recompute=recompute)
             # With cuda_graphs=True too: the first step runs eagerly, timed, and the graphs capture the rebuilt order.

@@ -11,7 +11,7 @@ from pipecomm.runtime.collectives import PipelineCollectives
 from pipecomm.runtime.offload_planner import OffloadPlanner, SavedBytesMeter
 from pipecomm.runtime.prepared_stages import PreparedStages
 from pipecomm.runtime.schedule_refit import ScheduleRefit
-from pipecomm.schedules.offload import OffloadPlan, check_plan
+from pipecomm.schedules.offload import OffloadPlan
 
 __all__: list[str] = []
 
@@ -36,8 +36,7 @@ class StepTuning:
         self._refit = ScheduleRefit(collectives, schedule) if refit else None
         self._offload_planner = (OffloadPlanner(collectives, num_ranks, device, modules)
                                  if offload is True and not auto else None)
-        if isinstance(offload, OffloadPlan):
-            check_plan(offload, schedule)
+        if isinstance(offload, OffloadPlan):  # checked against the schedule as the Pipeline was built
             self._use_offload_plan(offload)
         prepared.executor.hold_graphs(self.measuring)
 
