@@ -59,3 +59,13 @@ def test_join_refuses_outputs_that_differ_in_constants_or_structure():
         microbatch.join([(torch.ones(1), 4), (torch.ones(1), 5)])
     with pytest.raises(ValueError, match="micro-batch 1 does not match micro-batch 0's.*structure"):
         microbatch.join([(torch.ones(1),), [torch.ones(1)]])
+
+
+def test_any_requires_grad_looks_at_every_tensor_of_plain_and_nested_batches():
+    plain, grad = torch.randn(4, 2), torch.randn(4, 2, requires_grad=True)
+    assert not microbatch.any_requires_grad(microbatch.Batch((plain,), {"mask": plain}))
+    assert microbatch.any_requires_grad(microbatch.Batch((plain,), {"mask": grad}))
+    assert microbatch.any_requires_grad((plain, grad))  # targets
+    assert not microbatch.any_requires_grad((plain, 3))
+    assert microbatch.any_requires_grad(microbatch.Batch(({"x": [plain, grad]},), {}))  # nested: through pytree
+    assert not microbatch.any_requires_grad(microbatch.Batch(({"x": [plain, None]}, "text"), {}))

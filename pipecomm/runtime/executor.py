@@ -13,7 +13,7 @@ from pipecomm.runtime import boundary
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.failure import NOTE_PREFIX
 from pipecomm.runtime.gradient_sink import GradientSink
-from pipecomm.runtime.microbatch import check_received_batch, check_target_batch
+from pipecomm.runtime.microbatch import any_requires_grad, check_received_batch, check_target_batch
 from pipecomm.runtime.offload import ActivationOffloader
 from pipecomm.schedules.schedule import Action, Schedule, forward_schedule
 from pipecomm.schedules.validation import validate
@@ -278,7 +278,7 @@ def validated_forward_schedule(num_ranks: int, micro_batches: int, placement: tu
 
 def _requires_grad(micro_batches: list | None) -> bool:
     """Whether any tensor of the first of a step's micro-batch structures requires grad."""
-    return bool(micro_batches) and any(tensor.requires_grad for tensor in boundary.flatten(micro_batches[0]).tensors)
+    return bool(micro_batches) and any_requires_grad(micro_batches[0])
 
 
 _PASSES = {"F": "forward", "B": "backward", "I": "I pass (input gradients)", "W": "W pass (weight gradients)"}

@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 
 from pipecomm.runtime import boundary
 
-__all__ = ["Batch", "batch_size", "join", "split", "split_step"]
+__all__ = ["Batch", "any_requires_grad", "batch_size", "join", "split", "split_step"]
 
 
 def split(batch: Any, micro_batches: int, what: str, device: torch.device | None = None, *,
@@ -91,6 +91,19 @@ def _split_plain(batch: Any, micro_batches: int, device: torch.device) -> tuple[
         return list(parts), size
     count, keys = len(positional), list(keyword)
     return [Batch(chunks[:count], dict(zip(keys, chunks[count:]))) for chunks in parts], size
+
+
+def any_requires_grad(batch: Any) -> bool:
+    """Whether a tensor of ``batch`` requires grad: at once for plain tensor arguments or targets, else by pytree."""
+    if type(batch) is Batch and type(batch.inputs) is tuple and type(batch.kwargs) is dict:
+        tensors = (*batch.inputs, *batch.kwargs.values())
+    elif type(batch) is tuple:
+        tensors = batch
+    else:
+        tensors = ()
+    if tensors and all(type(tensor) is torch.Tensor for tensor in tensors):
+        return any(tensor.requires_grad for tensor in tensors)
+    return any(tensor.requires_grad for tensor in boundary.flatten(batch).tensors)
 
 
 def batch_size(batch: Any, what: str) -> int | None:
