@@ -607,3 +607,17 @@ def test_a_gradient_hook_on_a_weight_runs_under_a_split_backward():
         (nn.functional.mse_loss(reference(a), b) / 4).backward()
     for param, ref in zip(module.parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, ref.grad)
+
+
+@pytest.mark.parametrize(("loss_fn", "returned"), [
+    (lambda output, target: (nn.functional.mse_loss(output, target), output.mean()), "tuple"),
+    (lambda output, target: nn.functional.mse_loss(output, target, reduction="none").mean(1),
+     r"a tensor of shape \(2,\)"),
+    (lambda output, target: 3, "int"),
+], ids=["tuple", "per-sample", "number"])
+def test_a_loss_that_is_not_one_number_is_refused_by_name(loss_fn, returned):
+    """loss.backward() refuses them in one process; a per-sample loss would otherwise be summed without a word."""
+    pipe = pipecomm.Pipeline(nn.Linear(8, 8), stage=0, num_stages=1, loss_fn=loss_fn, micro_batches=2)
+    with pytest.raises(TypeError, match=f"loss_fn must return .* one element.* it returned {returned};") as raised:
+        pipe.step(torch.randn(4, 8), target=torch.randn(4, 8))
+    assert raised.value.__notes__ == ["pipecomm: in the forward of stage 0, micro-batch 0, on pipeline rank 0"]

@@ -189,7 +189,14 @@ class StageExecutor:
 
     def _scaled_loss(self, output, *targets) -> torch.Tensor:
         # The one place the loss is scaled: the step's gradients then average the micro-batches.
-        return self.loss_fn(output, *targets) / self.schedule.micro_batches
+        loss = self.loss_fn(output, *targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            # loss.backward() in one process refuses these too; a per-sample loss would silently be summed.
+            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(f"loss_fn must return the micro-batch's loss as a tensor of one element, as "
+                            f"loss.backward() needs, but it returned {what}; reduce it (.mean(), .sum()) or return "
+                            "the loss alone")
+        return loss / self.schedule.micro_batches
 
     def _callers_tensors(self, stage: int, args: tuple, kwargs: dict, targets: tuple) -> list[torch.Tensor]:
         """The caller's tensors among a micro-batch's first-stage arguments and last-stage targets that require grad:
