@@ -58,6 +58,22 @@ def test_every_schedule_trains_exactly_with_activations_in_host_memory(tmp_path,
     assert all(count > 0 for count in copied), copied  # every rank's offloaded waits held tensors
 
 
+def tanh_ended(num_stages: int) -> list[nn.Module]:
+    """Stages whose last op saves its own output for the backward (tanh), the output their send may free."""
+    return [nn.Sequential(Block(), nn.Tanh()) for _ in range(num_stages)]
+
+
+def measured_with_saved_outputs(rank: int, world_size: int) -> str:
+    train_like_one_process(rank, world_size, tanh_ended, float_batch, mse, steps=3, offload=True)
+    return "ok"
+
+
+def test_an_output_autograd_saved_stays_while_offload_measures(tmp_path):
+    """offload=True's first step parks what the forwards save without copying it, so the backward reads the saved
+    output itself: the send must not free its data (every schedule; the gradients were garbage before)."""
+    assert run_ranks(2, measured_with_saved_outputs, tmp_path, timeout=240) == ["ok", "ok"]
+
+
 def every_wait_offloaded(schedule: Schedule) -> OffloadPlan:
     """A plan for ``schedule`` that sends every wait to host memory, each copied back right before the pass that reads
     it: the forward's saved activations and the W pass's inputs, whether or not the peak needs them away (which

@@ -119,6 +119,12 @@ class ActivationOffloader:
             copies.copied_out = torch.cuda.Event()
             copies.copied_out.record(self._to_host)
 
+    def holding(self, wait: Wait) -> set[int]:
+        """The ids of the tensors of ``wait`` held as they were saved, whose data the backward reads through this
+        offloader (all of them while measuring; none once copied out): whoever else frees data must leave them."""
+        copies = self._waits.get(wait)
+        return {id(parked.device_tensor) for parked in copies.parked} if copies and not copies.offloaded else set()
+
     def reload(self, wait: Wait) -> None:
         """Starts the copies back of ``wait``'s tensors, ahead of the pass that reads them."""
         copies = self._waits.get(wait)

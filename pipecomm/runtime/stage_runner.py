@@ -99,6 +99,7 @@ class EagerStage:
         store = self.weight_grad_store
         if store:
             store.recording = held.deferrals
+        parked: set[int] = set()
         try:
             if self.offloader:
                 wait = (self.index, micro_batch, "F")
@@ -106,6 +107,7 @@ class EagerStage:
                     output = self.module(*args, **kwargs)
                 # Before the outputs' freeing is decided: the copies out drop the hooks' hold on them.
                 self.offloader.offload(wait)
+                parked = self.offloader.holding(wait)
             else:
                 output = self.module(*args, **kwargs)
         finally:
@@ -113,7 +115,9 @@ class EagerStage:
                 store.recording = None
         if self.scaled_loss is None:
             held.outputs = boundary.stage_output(output)
-            held.freeable = held_only_by_themselves(held.outputs.tensors)
+            # An output the offloader still holds as the backward will read it (measuring, it copies nothing) stays.
+            held.freeable = [tensor for tensor in held_only_by_themselves(held.outputs.tensors)
+                             if id(tensor) not in parked]
             return None
         loss = self.scaled_loss(output, *targets)
         held.outputs, held.output_grads = boundary.flatten(loss), (torch.ones_like(loss),)
