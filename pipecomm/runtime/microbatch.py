@@ -69,41 +69,46 @@ def _split_plain(batch: Any, micro_batches: int, device: torch.device) -> tuple[
     """``split`` of the usual training batch, a ``Batch`` of tensor arguments or a tuple of tensor targets, without
     pytree passes (under half its time); None for anything else (other leaves, nesting, 0-d tensors, sizes that
     differ or do not divide), which ``split`` handles or names in its error."""
-    if type(batch) is Batch:
-        positional, keyword = batch.inputs, batch.kwargs
-        if type(positional) is not tuple or type(keyword) is not dict:
-            return None
-        tensors = [*positional, *keyword.values()]
-    elif type(batch) is tuple:
-        positional, keyword = batch, None
-        tensors = list(batch)
-    else:
+    parts = _plain_parts(batch)
+    if parts is None:
         return None
-    if not tensors or any(type(tensor) is not torch.Tensor or tensor.dim() == 0 for tensor in tensors):
+    positional, keyword, tensors = parts
+    if any(tensor.dim() == 0 for tensor in tensors):
         return None
     size = tensors[0].shape[0]
     if size % micro_batches or any(tensor.shape[0] != size for tensor in tensors):
         return None
     if device is not None:
         tensors = [tensor.to(device, non_blocking=True) for tensor in tensors]
-    parts = zip(*(tensor.tensor_split(micro_batches, dim=0) for tensor in tensors))
+    chunked = zip(*(tensor.tensor_split(micro_batches, dim=0) for tensor in tensors))
     if keyword is None:
-        return list(parts), size
+        return list(chunked), size
     count, keys = len(positional), list(keyword)
-    return [Batch(chunks[:count], dict(zip(keys, chunks[count:]))) for chunks in parts], size
+    return [Batch(chunks[:count], dict(zip(keys, chunks[count:]))) for chunks in chunked], size
+
+
+def _plain_parts(batch: Any) -> tuple[tuple, dict | None, list[torch.Tensor]] | None:
+    """The usual training batch taken apart without a pytree pass: a ``Batch`` of tensor arguments (its positional
+    ones, its keyword ones, all its tensors) or a tuple of tensor targets (keyword None); None for anything else."""
+    if type(batch) is Batch:
+        positional, keyword = batch.inputs, batch.kwargs
+        if type(positional) is not tuple or type(keyword) is not dict:
+            return None
+        tensors = [*positional, *keyword.values()]
+    elif type(batch) is tuple:
+        positional, keyword, tensors = batch, None, list(batch)
+    else:
+        return None
+    if not tensors or any(type(tensor) is not torch.Tensor for tensor in tensors):
+        return None
+    return positional, keyword, tensors
 
 
 def any_requires_grad(batch: Any) -> bool:
     """Whether a tensor of ``batch`` requires grad: at once for plain tensor arguments or targets, else by pytree."""
-    if type(batch) is Batch and type(batch.inputs) is tuple and type(batch.kwargs) is dict:
-        tensors = (*batch.inputs, *batch.kwargs.values())
-    elif type(batch) is tuple:
-        tensors = batch
-    else:
-        tensors = ()
-    if tensors and all(type(tensor) is torch.Tensor for tensor in tensors):
-        return any(tensor.requires_grad for tensor in tensors)
-    return any(tensor.requires_grad for tensor in boundary.flatten(batch).tensors)
+    parts = _plain_parts(batch)
+    tensors = parts[2] if parts is not None else boundary.flatten(batch).tensors
+    return any(tensor.requires_grad for tensor in tensors)
 
 
 def batch_size(batch: Any, what: str) -> int | None:
