@@ -148,9 +148,11 @@ def _one_process(reference: nn.Module, x, y) -> tuple[torch.Tensor, list]:
     return loss.detach(), [None if p.grad is None else p.grad.clone() for p in reference.parameters()]
 
 
-def _train(steps: int, before_step=None, batch=lambda step: 16, module=None) -> tuple[pipecomm.Pipeline, list]:
-    """``steps`` SGD steps of the default Pipeline and of one eager process, each step's loss and gradients equal;
-    returns the Pipeline and its graph states after each step."""
+def _train(steps: int, before_step=None, batch=lambda step: 16, module=None,
+           data_grads=lambda step: False) -> tuple[pipecomm.Pipeline, list]:
+    """``steps`` SGD steps of the default Pipeline and of one eager process, each step's loss and gradients equal
+    (in the steps ``data_grads`` names, the input's and target's too, which require grad); returns the Pipeline and
+    its graph states after each step."""
     torch.manual_seed(0)
     module = (module or Scaled()).cuda()
     reference = copy.deepcopy(module)
@@ -163,9 +165,12 @@ def _train(steps: int, before_step=None, batch=lambda step: 16, module=None) -> 
             before_step(step, module)
             before_step(step, reference)
         x, y = torch.randn(batch(step), 8, device="cuda"), torch.randn(batch(step), 8, device="cuda")
-        loss = pipe.step(x, target=y)
-        ref_loss, ref_grads = _one_process(reference, x, y)
+        ref_x, ref_y = x.clone().requires_grad_(data_grads(step)), y.clone().requires_grad_(data_grads(step))
+        loss = pipe.step(x.requires_grad_(data_grads(step)), target=y.requires_grad_(data_grads(step)))
+        ref_loss, ref_grads = _one_process(reference, ref_x, ref_y)
         torch.testing.assert_close(loss, ref_loss, **TOLERANCE, msg=f"loss of step {step}")
+        for data, ref in ((x, ref_x), (y, ref_y)) if data_grads(step) else ():
+            torch.testing.assert_close(data.grad, ref.grad, **TOLERANCE, msg=f"the data's gradient, step {step}")
         for param, ref_grad in zip(module.parameters(), ref_grads):
             if ref_grad is None:
                 assert param.grad is None, f"step {step}"
@@ -188,6 +193,14 @@ def test_graphs_are_adopted_at_the_third_step_and_train_as_one_process():
 @needs_cuda
 def test_a_short_batch_runs_eagerly_beside_the_graphs():
     _, states = _train(6, batch=lambda step: 8 if step == 4 else 16)
+    assert states[2:] == ["replaying"] * 4
+
+
+@needs_cuda
+def test_a_batch_that_requires_grad_runs_eagerly_beside_the_graphs_and_gets_its_gradients():
+    """No graph reaches the caller's autograd graph: the step whose input and target require grad runs eagerly,
+    exact, and the replays go on after it."""
+    _, states = _train(6, data_grads=lambda step: step == 3)
     assert states[2:] == ["replaying"] * 4
 
 
@@ -304,6 +317,17 @@ def _graph_pool_bytes() -> int:
                if segment["device"] == device and tuple(segment["segment_pool_id"]) != (0, 0))
 
 
+def _replaying_pipeline() -> pipecomm.Pipeline:
+    """A Pipeline with cuda_graphs=True after the two steps that capture its graphs and replay them."""
+    torch.manual_seed(0)
+    pipe = _pipeline(Scaled().cuda(), cuda_graphs=True)
+    x, y = torch.randn(16, 8, device="cuda"), torch.randn(16, 8, device="cuda")
+    for _ in range(2):
+        pipe.step(x, target=y)
+    assert pipe.cuda_graph_states[0] == "replaying"
+    return pipe
+
+
 @needs_cuda
 @pytest.mark.parametrize("cuda_graphs", [True, "auto"])
 def test_a_closed_pipeline_gives_its_graphs_memory_back(cuda_graphs):
@@ -316,12 +340,7 @@ def test_a_closed_pipeline_gives_its_graphs_memory_back(cuda_graphs):
         pipe, states = _train(4)
         assert states[-1] == "replaying"
     else:
-        torch.manual_seed(0)
-        pipe = _pipeline(Scaled().cuda(), cuda_graphs=True)
-        x, y = torch.randn(16, 8, device="cuda"), torch.randn(16, 8, device="cuda")
-        for _ in range(2):
-            pipe.step(x, target=y)
-        assert pipe.cuda_graph_states[0] == "replaying"
+        pipe = _replaying_pipeline()
     assert _graph_pool_bytes() > before
     pipe.close()
     del pipe
@@ -329,3 +348,20 @@ def test_a_closed_pipeline_gives_its_graphs_memory_back(cuda_graphs):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     assert _graph_pool_bytes() == before, "the closed Pipeline's CUDA graph pools are still reserved"
+
+
+@needs_cuda
+def test_pipelines_captured_one_after_another_leave_no_workspace_each():
+    """cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it runs on: the captures of a thread share one
+    stream, whose workspace the first made, so Pipelines captured one after another (as a recapture after a change
+    is) leave nothing each behind."""
+    def capture_and_close() -> int:
+        pipe = _replaying_pipeline()
+        pipe.close()
+        del pipe
+        gc.collect()
+        return torch.cuda.memory_allocated()
+
+    first = capture_and_close()
+    assert [capture_and_close() - first for _ in range(3)] == [0, 0, 0]
+

@@ -29,6 +29,7 @@ off).
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ __all__: list[str] = []
 
 _WARMUP_ITERATIONS = 2  # eager runs on a side stream before capture, so lazy initialisation stays out of the graphs
 _STATE_OF = {"F": 0, "B": 1, "I": 1, "W": 2}  # which of a reference run's random states a pass began at
+_capture_streams = threading.local()  # ``_capture_stream``'s, by device, for each thread
 
 
 @dataclass
@@ -258,7 +260,7 @@ class GraphedStage:
                         capturing.enter_context(member.accumulators.capturing(member.params))
                 try:
                     # Warmed up on the stream the captures use, cuBLAS's workspace for it stays out of the pool.
-                    side = torch.cuda.Stream(device)
+                    side = _capture_stream(device)
                     references, shared = {}, _shared(members)
                     for member in members:
                         references[member.stage] = member._warm_up(autocast, device, side, shared)
@@ -278,6 +280,8 @@ class GraphedStage:
             for member in members:
                 member._graphs, member.accumulated = {}, []
             torch.cuda.set_stream(stream)  # a failed capture leaves its own stream current
+            # Its capture stream is not used again: whatever broke the capture may have left it in a state of its own.
+            _thread_capture_streams().pop(device, None)
             _release_random_state(device, random_state)
             raise
         finally:
@@ -581,7 +585,7 @@ class _ExpandableSegments:
     def __init__(self, device: torch.device):
         self._settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
         self._switch = (device.type == "cuda" and self._settings is not None
-                        and torch.cuda.get_allocator_backend() == "native" and not _expandable_in_use(device))
+                        and torch.cuda.get_allocator_backend() == "native" and not _expandable_in_use())
 
     def __enter__(self) -> None:
         if self._switch:
@@ -592,15 +596,31 @@ class _ExpandableSegments:
             self._settings("expandable_segments:False")
 
 
-def _expandable_in_use(device: torch.device) -> bool:
-    """Whether the caller has the allocator's expandable segments on: said in its settings, or seen in a segment of
-    the default pool (an earlier capture's pool has them from us)."""
-    current = getattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "")()
-    if "expandable_segments:true" in current.replace(" ", "").lower():
-        return True
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return any(segment.get("is_expandable") for segment in torch.cuda.memory_snapshot()
-               if segment["device"] == index and tuple(segment["segment_pool_id"]) == (0, 0))
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream this thread warms up and captures on for ``device``, the same for every capture: cuBLAS gives each
+    stream it runs on a workspace from the caching allocator (32 MiB on Hopper) and keeps it for the process, so a new
+    stream per capture (torch's pool hands out 32 in turn) kept one more each time a Pipeline recaptured or another
+    Pipeline captured. One per thread, since a stream takes one capture at a time."""
+    streams = _thread_capture_streams()
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
+
+
+def _thread_capture_streams() -> dict[torch.device, torch.cuda.Stream]:
+    if not hasattr(_capture_streams, "by_device"):
+        _capture_streams.by_device = {}
+    return _capture_streams.by_device
+
+
+def _expandable_in_use() -> bool:
+    """Whether the caller has the allocator's expandable segments on, as the allocator's settings say (torch 2.11 has
+    no getter for them, but its snapshot carries them: the segments alone cannot tell, since a caller that turned them
+    on may have allocated nothing new since)."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        return "expandable_segments:true" in getter().replace(" ", "").lower()
+    return bool(torch.cuda.memory._snapshot().get("allocator_settings", {}).get("expandable_segments"))
 
 
 def _shared(members: Sequence[GraphedStage]) -> set[int]:
