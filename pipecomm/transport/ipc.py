@@ -30,7 +30,8 @@ class IpcChannel(NativeChannel):
     after a wait until the peer has consumed it, and the receive copies out. Flags written and waited
     on by the streams order everything; the host never waits on the GPU. A shrink takes effect after
     the next num_slots messages (the peer may already be sending those into the old slots), and the
-    old memory then goes back to torch's caching allocator. A receive given a ``layout_key`` whose layout
+    old memory then goes back to torch's caching allocator; the receiver shrinks its grown slots by itself
+    after a run of messages that all went into posted buffers. A receive given a ``layout_key`` whose layout
     is the one posted for returns before the peer's note arrives (``Channel.recv``).
     """
 
