@@ -60,7 +60,9 @@ class Pipeline:
 
     Replace ``loss = loss_fn(model(x), y); loss.backward()`` with ``loss = pipe.step(x, target=y)``: afterwards
     every parameter's ``.grad`` holds what that single-process backward on the whole batch gives, so any optimizer
-    works unchanged; frozen parameters (``requires_grad=False``, read at every step) keep no gradient. Every rank
+    works unchanged (the step's loss is the mean of the micro-batches' ``loss_fn``: the whole batch's for a loss that
+    averages over items each micro-batch holds equally many of; docs/using.md, "The loss of a step", for sums and
+    padded targets); frozen parameters (``requires_grad=False``, read at every step) keep no gradient. Every rank
     may call ``step`` with the same arguments; the first stage reads the inputs, the last ``target``.
 
     A stage may return any pytree (tensors, tuples, lists, dicts, None, dataclasses, transformers

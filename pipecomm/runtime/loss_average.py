@@ -1,0 +1,70 @@
+"""Where the mean of the micro-batches' losses differs from one process's loss on the whole batch, told from a torch
+loss that ``loss_fn`` is and the targets, for the warning that says so."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__: list[str] = []
+
+# The functional losses that count their targets, with their defaults (torch's).
+_COUNTING_FUNCTIONS = {F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss"}
+_DEFAULTS = {"reduction": "mean", "ignore_index": -100, "weight": None}
+
+
+def uneven_average(loss_fn: Callable, micro_batch_targets: Sequence[tuple]) -> str | None:
+    """Why the step's loss, the mean of the micro-batches' ``loss_fn`` values, is not ``loss_fn`` on the whole batch,
+    where a torch loss says: one that sums over its micro-batch, or a mean over the targets it counts (those not
+    ``ignore_index``, each weighted by its class's ``weight``) whose count differs between micro-batches. None where
+    they agree or ``loss_fn`` is not a torch loss this knows."""
+    settings = _settings_of(loss_fn)
+    if settings is None:
+        return None
+    name, reduction, ignore_index, weight = settings
+    if reduction == "sum":
+        return (f"loss_fn ({name}) sums over its micro-batch and the step averages the {len(micro_batch_targets)} "
+                f"micro-batches' losses, so the loss and the gradients are 1/{len(micro_batch_targets)} of one "
+                "process's on the whole batch")
+    if reduction != "mean" or ignore_index is None or not micro_batch_targets:
+        return None
+    counts = []
+    for targets in micro_batch_targets:
+        target = targets[0] if targets else None
+        if not isinstance(target, torch.Tensor) or target.is_floating_point():
+            return None  # class probabilities: every position counts alike
+        counted = target != ignore_index
+        counts.append(counted.sum() if weight is None else weight.to(target.device)[target[counted]].sum())
+    counts = torch.stack(counts).tolist()
+    if len(set(counts)) == 1:
+        return None
+    what = "targets not ignore_index" if weight is None else "class weights of the targets not ignore_index"
+    return (f"loss_fn ({name}) is a mean over the {what}, which come to {_listed(counts)} in the micro-batches: the "
+            "step's mean of their means weighs them equally, so the loss and the gradients differ from one process's "
+            "on the whole batch")
+
+
+def _settings_of(loss_fn: Callable) -> tuple[str, str, int | None, torch.Tensor | None] | None:
+    """(name, reduction, ignore_index, class weights) of a torch loss module or function (or a functools.partial of
+    one), ignore_index None for a loss that counts no targets; None for anything else."""
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        return type(loss_fn).__name__, loss_fn.reduction, loss_fn.ignore_index, loss_fn.weight
+    if isinstance(loss_fn, nn.modules.loss._Loss):  # a mean over elements: equal in micro-batches of equal size
+        return type(loss_fn).__name__, loss_fn.reduction, None, None
+    keywords = {}
+    if isinstance(loss_fn, functools.partial) and not loss_fn.args:
+        keywords, loss_fn = loss_fn.keywords, loss_fn.func
+    if loss_fn not in _COUNTING_FUNCTIONS:
+        return None
+    settings = {**_DEFAULTS, **keywords}
+    return (f"torch.nn.functional.{_COUNTING_FUNCTIONS[loss_fn]}", settings["reduction"], settings["ignore_index"],
+            settings["weight"])
+
+
+def _listed(counts: list) -> str:
+    shown = [f"{count:g}" if isinstance(count, float) else str(count) for count in counts[:8]]
+    return ", ".join(shown) + (", ..." if len(counts) > 8 else "")
