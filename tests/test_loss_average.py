@@ -52,6 +52,7 @@ def test_the_loss_settings_decide_what_is_counted():
     for summing in (nn.CrossEntropyLoss(reduction="sum"), nn.MSELoss(reduction="sum"),
                     functools.partial(F.cross_entropy, reduction="sum")):
         assert "1/4 of one process's" in uneven_average(summing, _split(labels))
+        assert uneven_average(summing, _split(labels, micro_batches=1)) is None  # one micro-batch: the whole batch
 
 
 @pytest.mark.parametrize("loss_fn", [nn.MSELoss(), F.mse_loss, lambda output, target: output.sum(),

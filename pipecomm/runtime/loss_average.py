@@ -23,14 +23,14 @@ def uneven_average(loss_fn: Callable, micro_batch_targets: Sequence[tuple]) -> s
     ``ignore_index``, each weighted by its class's ``weight``) whose count differs between micro-batches. None where
     they agree or ``loss_fn`` is not a torch loss this knows."""
     settings = _settings_of(loss_fn)
-    if settings is None:
+    if settings is None or len(micro_batch_targets) < 2:
         return None
     name, reduction, ignore_index, weight = settings
     if reduction == "sum":
         return (f"loss_fn ({name}) sums over its micro-batch and the step averages the {len(micro_batch_targets)} "
                 f"micro-batches' losses, so the loss and the gradients are 1/{len(micro_batch_targets)} of one "
                 "process's on the whole batch")
-    if reduction != "mean" or ignore_index is None or not micro_batch_targets:
+    if reduction != "mean" or ignore_index is None:
         return None
     counts = []
     for targets in micro_batch_targets:

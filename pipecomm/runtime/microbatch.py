@@ -116,7 +116,8 @@ def batch_size(batch: Any, what: str) -> int | None:
     size = first = None
     for tensor in boundary.flatten(batch).tensors:
         if tensor.dim() == 0:
-            raise ValueError(f"{_name(batch, tensor, what)} is a 0-d tensor; micro-batches are split along dim 0")
+            raise ValueError(f"{_name(batch, tensor, what)} is a 0-d tensor; micro-batches are split along dim 0 (a "
+                             "Python number, such as int(tensor), goes to every micro-batch as it is)")
         if size is None:
             size, first = tensor.shape[0], tensor
         elif tensor.shape[0] != size:
