@@ -20,11 +20,23 @@ _DEFAULTS = {"reduction": "mean", "ignore_index": -100, "weight": None}
 def uneven_average(loss_fn: Callable, micro_batch_targets: Sequence[tuple]) -> str | None:
     """Why the step's loss, the mean of the micro-batches' ``loss_fn`` values, is not ``loss_fn`` on the whole batch,
     where a torch loss says: one that sums over its micro-batch, or a mean over the targets it counts (those not
-    ``ignore_index``, each weighted by its class's ``weight``) whose count differs between micro-batches. None where
-    they agree or ``loss_fn`` is not a torch loss this knows."""
-    settings = _settings_of(loss_fn)
-    if settings is None or len(micro_batch_targets) < 2:
+    ``ignore_index``, each weighted by its class's ``weight``) whose count differs between micro-batches. For a
+    ``loss_fn`` of the caller's own, whose reduction cannot be read, given the class targets alone, those holding
+    torch's ignore_index (-100, a padded language-model batch) in different numbers per micro-batch are named as what
+    would differ if it averages over them. None where they agree or nothing can be told."""
+    if len(micro_batch_targets) < 2:
         return None
+    settings = _settings_of(loss_fn)
+    if settings is None:
+        if len(micro_batch_targets[0]) != 1:
+            return None  # more than the labels (the batch's count, say): loss_fn may well weigh them itself
+        counts = _counted(micro_batch_targets, _DEFAULTS["ignore_index"], None)
+        if counts is None or len(set(counts)) == 1:
+            return None
+        return (f"the class targets hold torch's ignore_index, -100, in different numbers across the micro-batches "
+                f"(the others come to {_listed(counts)}): if loss_fn averages over the targets it does not ignore, as "
+                "cross_entropy does, the step's mean of their means weighs them equally, so the loss and the gradients "
+                "differ from one process's on the whole batch")
     name, reduction, ignore_index, weight = settings
     if reduction == "sum":
         return (f"loss_fn ({name}) sums over its micro-batch and the step averages the {len(micro_batch_targets)} "
@@ -32,20 +44,26 @@ def uneven_average(loss_fn: Callable, micro_batch_targets: Sequence[tuple]) -> s
                 "process's on the whole batch")
     if reduction != "mean" or ignore_index is None:
         return None
-    counts = []
-    for targets in micro_batch_targets:
-        target = targets[0] if targets else None
-        if not isinstance(target, torch.Tensor) or target.is_floating_point():
-            return None  # class probabilities: every position counts alike
-        counted = target != ignore_index
-        counts.append(counted.sum() if weight is None else weight.to(target.device)[target[counted]].sum())
-    counts = torch.stack(counts).tolist()
-    if len(set(counts)) == 1:
+    counts = _counted(micro_batch_targets, ignore_index, weight)
+    if counts is None or len(set(counts)) == 1:
         return None
     what = "targets not ignore_index" if weight is None else "class weights of the targets not ignore_index"
     return (f"loss_fn ({name}) is a mean over the {what}, which come to {_listed(counts)} in the micro-batches: the "
             "step's mean of their means weighs them equally, so the loss and the gradients differ from one process's "
             "on the whole batch")
+
+
+def _counted(micro_batch_targets: Sequence[tuple], ignore_index: int, weight: torch.Tensor | None) -> list | None:
+    """Per micro-batch, how many of its first target's class indices are not ``ignore_index`` (with ``weight``, their
+    classes' weights summed); None where that target holds no class indices (class probabilities, or none)."""
+    counts = []
+    for targets in micro_batch_targets:
+        target = targets[0] if targets else None
+        if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex():
+            return None
+        counted = target != ignore_index
+        counts.append(counted.sum() if weight is None else weight.to(target.device)[target[counted]].sum())
+    return torch.stack(counts).tolist()
 
 
 def _settings_of(loss_fn: Callable) -> tuple[str, str, int | None, torch.Tensor | None] | None:
