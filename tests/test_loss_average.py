@@ -101,6 +101,7 @@ def test_a_padded_batch_warns_once_and_the_count_as_a_target_is_exact():
         for _ in range(3):
             plain.step(x, target=labels)
     assert len(caught) == 1 and "The loss of a step" in str(caught[0].message)
+    assert caught[0].filename == __file__  # the caller's step, not pipecomm's insides
 
     def token_mean(logits, target, tokens):
         return F.cross_entropy(logits, target, reduction="sum") * 4 / tokens

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import time
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -14,7 +13,7 @@ from pipecomm.runtime import boundary
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.failure import NOTE_PREFIX
 from pipecomm.runtime.gradient_sink import GradientSink
-from pipecomm.runtime.loss_average import uneven_average
+from pipecomm.runtime.loss_average import AverageCheck
 from pipecomm.runtime.microbatch import any_requires_grad, check_received_batch, check_target_batch
 from pipecomm.runtime.offload import ActivationOffloader
 from pipecomm.schedules.schedule import Action, Schedule, forward_schedule
@@ -27,9 +26,6 @@ from pipecomm.runtime.stage_transfers import StageTransfers
 from pipecomm.transport.channel import Channel
 
 __all__: list[str] = []
-
-# The steps whose targets ``_check_loss_average`` looks at: a padded batch shows in the first few.
-_AVERAGE_CHECKED_STEPS = 3
 
 
 class StageExecutor:
@@ -54,7 +50,7 @@ class StageExecutor:
         self.transfers = StageTransfers(rank, schedule, channels)
         self.loss_fn = loss_fn
         self.last_stage = schedule.num_stages - 1
-        self._average_checks_left = _AVERAGE_CHECKED_STEPS if self.last_stage in modules else 0
+        self._average_check = AverageCheck(loss_fn, rank) if self.last_stage in modules else None
         self.on_stage_backward_done = on_stage_backward_done
         self.device_timeline = device_timeline
         self.stages: dict[int, EagerStage] = {}
@@ -117,7 +113,7 @@ class StageExecutor:
         self._start(inputs, targets, batch_size, target_batch, self.schedule.micro_batches)
         if self.last_stage in self.stages:
             check_target_batch(batch_size, target_batch)  # a one-rank pipeline's own batch; the others' arrives with it
-            self._check_loss_average(targets)
+            self._average_check.see(targets)
         self.timeline = []
         handlers = self._handlers
         device = self.device_timeline
@@ -204,19 +200,6 @@ class StageExecutor:
                             f"loss.backward() needs, but it returned {what}; reduce it (.mean(), .sum()) or return "
                             "the loss alone")
         return loss / self.schedule.micro_batches
-
-    def _check_loss_average(self, targets: list[tuple]) -> None:
-        """Warns once, in the first steps, where a torch loss shows that the mean of the micro-batches' losses is not
-        one process's loss on the whole batch (a sum; cross-entropy over padded targets): the difference is silent
-        otherwise. Only the first steps, since the check reads the targets' counts back from the device."""
-        if self._average_checks_left == 0:
-            return
-        self._average_checks_left -= 1
-        reason = uneven_average(self.loss_fn, targets)
-        if reason is not None:
-            self._average_checks_left = 0
-            warnings.warn(f"pipecomm: pipeline rank {self.rank}: {reason}. Give loss_fn the batch's count as a "
-                          "target and sum over the micro-batch (docs/using.md, 'The loss of a step')", stacklevel=4)
 
     def _callers_tensors(self, stage: int, args: tuple, kwargs: dict, targets: tuple) -> list[torch.Tensor]:
         """The caller's tensors among a micro-batch's first-stage arguments and last-stage targets that require grad:

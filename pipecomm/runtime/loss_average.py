@@ -1,9 +1,10 @@
 """Where the mean of the micro-batches' losses differs from one process's loss on the whole batch, told from a torch
-loss that ``loss_fn`` is and the targets, for the warning that says so."""
+loss that ``loss_fn`` is and the targets, and the warning that says so."""
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -15,6 +16,30 @@ __all__: list[str] = []
 # The functional losses that count their targets, with their defaults (torch's).
 _COUNTING_FUNCTIONS = {F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss"}
 _DEFAULTS = {"reduction": "mean", "ignore_index": -100, "weight": None}
+
+
+class AverageCheck:
+    """The last stage's look at the first steps' targets: a warning, once, where the step's mean of the micro-batches'
+    losses differs from one process's loss on the whole batch, which is silent otherwise. The first steps only, since
+    it reads the targets' counts back from the device; a padded batch shows in the first few."""
+
+    STEPS = 3
+
+    def __init__(self, loss_fn: Callable, rank: int):
+        self.loss_fn = loss_fn
+        self.rank = rank
+        self.steps_left = self.STEPS
+
+    def see(self, micro_batch_targets: Sequence[tuple]) -> None:
+        if self.steps_left == 0:
+            return
+        self.steps_left -= 1
+        reason = uneven_average(self.loss_fn, micro_batch_targets)
+        if reason is not None:
+            self.steps_left = 0
+            # Pointed at the caller's line: above this call are the executor's run, the Pipeline's step, the caller.
+            warnings.warn(f"pipecomm: pipeline rank {self.rank}: {reason}. Give loss_fn the batch's count as a "
+                          "target and sum over the micro-batch (docs/using.md, 'The loss of a step')", stacklevel=4)
 
 
 def uneven_average(loss_fn: Callable, micro_batch_targets: Sequence[tuple]) -> str | None:
