@@ -1,6 +1,8 @@
 """GPU benchmark: end-to-end pipeline training step, pipecomm's schedules vs torch.distributed.pipelining, on p GPUs.
 
-Spawns --ranks p ranks (default 2; rank r on cuda:r, one NCCL process group). The model is a GPT
+Spawns --ranks p ranks for each config (default 2; rank r on cuda:r, one NCCL process group), which run its rows
+in turn, torch's first; a config's processes are its own, so that no earlier config's rows weigh on its memory
+columns. The model is a GPT
 block stack in bf16 (pre-norm causal self-attention through scaled_dot_product_attention, then a 4x
 MLP), --layers L (default 8), split into p stages of L/p layers (interleaved schedules: 2p
 chunks, rank r holds chunks r and r + p; zb-v, torch's ZBVZeroBubble and DualPipeV: 2p chunks in a V, rank r
@@ -964,8 +966,13 @@ def main(argv: list[str] | None = None) -> None:
     outcomes: dict[int, Any] = {}
     config = {key: value for key, value in vars(args).items()}
     try:
-        outcomes = spawn_ranks(run_rank, args.ranks, (config,), deadline=args.deadline, timeout=args.timeout,
-                               on_report=collected)
+        for name in args.config_list:
+            # Each config in processes of its own: its torch rows then start from processes that no earlier config's
+            # pipecomm rows touched (a capture stream's cuBLAS workspace, the caching allocator's segments), so its
+            # memory columns compare like with like.
+            left = args.deadline - (time.monotonic() - started)
+            outcomes = spawn_ranks(run_rank, args.ranks, ({**config, "config_list": [name]},),
+                                   deadline=max(left, 1.0), timeout=args.timeout, on_report=collected)
     except RankFailure as error:
         failure = str(error)  # print what was measured before the failure, then the failure
     env = outcomes.get(0, {}).get("env") or environment(torch.device("cuda" if args.mode == "gpu" else "cpu"))
