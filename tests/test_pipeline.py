@@ -621,3 +621,25 @@ def test_a_loss_that_is_not_one_number_is_refused_by_name(loss_fn, returned):
     with pytest.raises(TypeError, match=f"loss_fn must return .* one element.* it returned {returned};") as raised:
         pipe.step(torch.randn(4, 8), target=torch.randn(4, 8))
     assert raised.value.__notes__ == ["pipecomm: in the forward of stage 0, micro-batch 0, on pipeline rank 0"]
+
+
+class _DoublesItsInputInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.linear(x)
+
+
+def test_an_in_place_op_on_a_received_input_says_why_one_process_allowed_it():
+    """A later stage's inputs arrive as leaves that require grad, which autograd lets no in-place op change, where one
+    process has them as the earlier stage's outputs: the error keeps torch's text and says so."""
+    pipe = pipecomm.Pipeline([nn.Linear(4, 4), _DoublesItsInputInPlace()], stage=[0, 1], num_stages=2,
+                             micro_batches=2, loss_fn=nn.functional.mse_loss, schedule="interleaved-1f1b")
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place") as raised:
+        pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
+    assert raised.value.__notes__[0] == "pipecomm: in the forward of stage 1, micro-batch 0, on pipeline rank 0"
+    assert "stage 1's inputs: they arrive from stage 0 as leaves" in raised.value.__notes__[1]
+    assert "x = x.clone()" in raised.value.__notes__[1]

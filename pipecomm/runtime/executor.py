@@ -294,8 +294,17 @@ def _requires_grad(micro_batches: list | None) -> bool:
 _PASSES = {"F": "forward", "B": "backward", "I": "I pass (input gradients)", "W": "W pass (weight gradients)"}
 
 
+_LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation"
+
+
 def _note_action(error: Exception, action: Action | None, rank: int) -> None:
-    """Adds to an error where in the schedule it came from, if a compute action's (the transfers name their own)."""
+    """Adds to an error where in the schedule it came from, if a compute action's (the transfers name their own), and
+    for an in-place op on a leaf in a later stage's forward, why one process let it be."""
     if action is not None and action.kind in _PASSES:
         error.add_note(f"{NOTE_PREFIX}in the {_PASSES[action.kind]} of stage {action.stage}, micro-batch "
                        f"{action.micro_batch}, on pipeline rank {rank}")
+        if action.kind == "F" and action.stage > 0 and _LEAF_IN_PLACE in str(error):
+            error.add_note(f"{NOTE_PREFIX}if that leaf is one of stage {action.stage}'s inputs: they arrive from stage "
+                           f"{action.stage - 1} as leaves that require grad, for their gradient to go back, where one "
+                           "process has them as another op's outputs; change a copy (x = x.clone()) or do it out of "
+                           "place")
