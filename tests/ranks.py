@@ -225,6 +225,13 @@ def rank_device(rank: int, kind: str) -> torch.device:
     return device
 
 
+def graph_pool_bytes() -> int:
+    """What the caching allocator holds in private pools (CUDA graphs'), on the current device."""
+    device = torch.cuda.current_device()
+    return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
+               if segment["device"] == device and tuple(segment["segment_pool_id"]) != (0, 0))
+
+
 def held_stages(schedule: str, world_size: int, micro_batches: int, virtual: int, rank: int) -> list[int]:
     """The stages ``schedule`` places on ``rank`` ("auto" plans for the placement of zb-h1, or zb-v's V for two)."""
     placed_like = {"auto": "zb-h1" if virtual == 1 else "zb-v"}.get(schedule, schedule)

@@ -18,7 +18,7 @@ from pipecomm.runtime import boundary
 from pipecomm.runtime.cuda_graphs import GraphedStage, signature, signature_difference
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.graph_runner import ShapeWatch
-from ranks import needs_cuda
+from ranks import graph_pool_bytes, needs_cuda
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
@@ -310,13 +310,6 @@ def test_a_signature_difference_names_the_tensor_and_what_differs():
         "torch.float32 on cpu")
 
 
-def _graph_pool_bytes() -> int:
-    """What the caching allocator holds in private pools (CUDA graphs'), on the current device."""
-    device = torch.cuda.current_device()
-    return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
-               if segment["device"] == device and tuple(segment["segment_pool_id"]) != (0, 0))
-
-
 def _replaying_pipeline() -> pipecomm.Pipeline:
     """A Pipeline with cuda_graphs=True after the two steps that capture its graphs and replay them."""
     torch.manual_seed(0)
@@ -335,19 +328,19 @@ def test_a_closed_pipeline_gives_its_graphs_memory_back(cuda_graphs):
     # same processes (4x H200, p = 4: 4.22 GB against 3.40): graph pools outliving the Pipelines that captured them.
     gc.collect()
     torch.cuda.empty_cache()
-    before = _graph_pool_bytes()
+    before = graph_pool_bytes()
     if cuda_graphs == "auto":
         pipe, states = _train(4)
         assert states[-1] == "replaying"
     else:
         pipe = _replaying_pipeline()
-    assert _graph_pool_bytes() > before
+    assert graph_pool_bytes() > before
     pipe.close()
     del pipe
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    assert _graph_pool_bytes() == before, "the closed Pipeline's CUDA graph pools are still reserved"
+    assert graph_pool_bytes() == before, "the closed Pipeline's CUDA graph pools are still reserved"
 
 
 @needs_cuda

@@ -20,7 +20,7 @@ from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.schedules.schedule import make_schedule
 from pipecomm.runtime.split_backward import WeightGradStore, defer_linear_weight_grads
 from pipecomm.runtime.stage_runner import EagerStage
-from ranks import needs_cuda
+from ranks import graph_pool_bytes, needs_cuda
 from stand_in_graphs import StandInGraph, stand_in_graphs
 
 
@@ -277,11 +277,6 @@ def test_replays_add_the_parameter_gradients_into_grad_in_place(split):
         torch.testing.assert_close(param.grad, ref.grad)
 
 
-def _private_pool_bytes() -> int:
-    return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
-               if tuple(segment["segment_pool_id"]) != (0, 0))
-
-
 def _held_bytes(order: list[tuple[int, str, int]], graphed: bool) -> tuple[int, int]:
     """Device memory a rank's stages of 8 Linear(1024, 1024) + GELU blocks each hold for their micro-batches (4096
     rows, 32 MB of saved activations per block) over ``order`` (stage, kind, micro-batch) beyond their parameters and
@@ -328,7 +323,7 @@ def _held_bytes(order: list[tuple[int, str, int]], graphed: bool) -> tuple[int, 
                 runner.take_input_grads(m)  # sent
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base, 0
-    earlier_pools = _private_pool_bytes()  # an earlier test's, not yet collected
+    earlier_pools = graph_pool_bytes()  # an earlier test's, not yet collected
     accumulators = GradientAccumulators()
     stages = {stage: GraphedStage(modules[stage], GradientSink(params[stage], main_grad=False),
                                   [(kind, m) for one, kind, m in order if one == stage], stage=stage, loss=None,
@@ -346,7 +341,7 @@ def _held_bytes(order: list[tuple[int, str, int]], graphed: bool) -> tuple[int, 
             graphed.backward(m, (grad,))
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # the warm-up's cached blocks
-    pools = _private_pool_bytes() - earlier_pools
+    pools = graph_pool_bytes() - earlier_pools
     landing = sum(t.nbytes for graphed in stages.values()
                   for t in [*graphed._inputs.tensors, *graphed._outputs, *graphed._grad_outputs,
                             *(t for t in graphed._input_grads if t is not None)])
