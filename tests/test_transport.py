@@ -422,22 +422,27 @@ def test_ipc_shrink_gives_the_grown_slots_back_to_the_caching_allocator(tmp_path
 
 
 def ipc_idle_slots_given_back(rank: int, world_size: int) -> list:
-    """Rank 1 receives 4 MB messages of one layout, one at a time: the first two in its slots, grown for them, the
-    rest in the buffers it posts. Whether all came exact, whether the grown slots went back to torch's allocator
-    by themselves after a run of direct messages, and whether a message of a new layout after that (in the slots,
-    grown again) came exact."""
+    """Rank 1 receives 4 MB messages of one layout, one at a time, and after every 8 a small one of its own layout
+    (as a pipeline's gradients and its loss broadcast): the first two large ones in its slots, grown for them, the
+    rest in the buffers it posts. Whether all came exact, whether the grown slots went back to torch's allocator by
+    themselves after a run of messages that did not need them, and whether a message of a new layout after that (in
+    the slots, grown again) came exact."""
     device = rank_device(rank, "cuda")
     slot_bytes, num_slots, count, numel = 4096, 4, 40, 1 << 20
     with transport.connect(1 - rank, backend="ipc", device=device, timeout=30, slot_bytes=slot_bytes) as channel:
         if rank == 0:
             for index in range(count):
                 channel.send([torch.full((numel,), float(index), device=device)])
+                if index % 8 == 7:
+                    channel.send([torch.full((3,), float(index), device=device)])
                 channel.recv()  # one in flight at a time, so that every one after the second finds its post
             channel.send([torch.full((numel + 1,), -1.0, device=device)])
             return []
         exact, allocated = [], {}
         for index in range(count):
             exact.append(bool((channel.recv()[0] == index).all()))
+            if index % 8 == 7:
+                exact.append(bool((channel.recv()[0] == index).all()))
             torch.cuda.synchronize(device)
             allocated[index] = torch.cuda.memory_allocated(device)
             channel.send([torch.zeros(1, device=device)])
@@ -450,7 +455,8 @@ def ipc_idle_slots_given_back(rank: int, world_size: int) -> list:
 @needs_cuda
 def test_ipc_slots_grown_for_large_messages_go_back_once_the_posts_carry_every_message(tmp_path):
     # Measured on one H200 shared by two ranks: at rank 0's eager 1f1b peak (e2e's compute config), the four slots grown
-    # to the 16.8 MB gradients, 67 MB, held nothing, every gradient coming into the buffers posted for it.
+    # to the 16.8 MB gradients, 67 MB, held nothing, every gradient coming into the buffers posted for it, and the loss
+    # broadcast between steps into the slots.
     assert run_ranks(2, ipc_idle_slots_given_back, tmp_path, timeout=60) == [[], [True, True, True, True]]
 
 

@@ -139,7 +139,7 @@ class IpcChannel {
         received_(make_layout({})),
         sent_fingerprint_(fingerprint({})),
         initial_slot_bytes_(round_slot_bytes(slot_bytes, receive_direction_)),
-        direct_run_to_give_back_(2 * (uint64_t{num_slots} + 1)) {
+        idle_run_to_give_back_(2 * (uint64_t{num_slots} + 1)) {
     // The ring calls its hook once before it knows whether the send must wait at all; the later calls
     // are a wait, in which this process answers whatever its peers asked.
     host_sender_.set_wait_hook([this] {
@@ -584,19 +584,20 @@ class IpcChannel {
     Entries incoming = direct ? receive_direct(note.post, caller) : receive_by_slot(caller);
     recv_clock_.lap(kRecvEnqueue);
     finish_receive(message, note, caller);
-    give_back_idle_slots(direct);
+    give_back_idle_slots(!direct && static_cast<size_t>(received_->offsets.back()) > initial_slot_bytes_);
     recv_clock_.lap(kRecvRelease);
     return incoming;
   }
 
-  // Slots grown for large messages sit unused while the posts carry every message (a pipeline's steady
-  // state: each slot holds a message's size, num_slots of them, beside the posts' own buffers). After a run of
-  // direct messages they shrink back to the size connect gave them, their memory to torch's allocator. The run
-  // asked for doubles at each give-back, so a stream that keeps needing the slots regrows them a few times at
-  // most: a grow costs the sender a round trip to this end.
-  void give_back_idle_slots(bool direct) {
-    direct_run_ = direct ? direct_run_ + 1 : 0;
-    if (direct_run_ < direct_run_to_give_back_ || receiver_.slot_bytes() <= initial_slot_bytes_) return;
+  // Slots grown for large messages sit unused while the posts carry every large message (a pipeline's steady
+  // state: each slot holds a message's size, num_slots of them, beside the posts' own buffers; a small message
+  // between, as a loss broadcast, fits the slots connect gave). After a run of messages none of which needed the
+  // grown slots, they shrink back to that size, their memory to torch's allocator. The run asked for doubles at
+  // each give-back, so a stream that keeps needing them regrows them a few times at most: a grow costs the sender
+  // a round trip to this end.
+  void give_back_idle_slots(bool used_grown_slots) {
+    idle_run_ = used_grown_slots ? 0 : idle_run_ + 1;
+    if (idle_run_ < idle_run_to_give_back_ || receiver_.slot_bytes() <= initial_slot_bytes_) return;
     bool shrank = false;
     try {
       shrank = shrink(initial_slot_bytes_);
@@ -604,8 +605,8 @@ class IpcChannel {
       return;  // the peer closed the post ring: the message is received all the same, the next call says why
     }
     if (shrank) {
-      direct_run_ = 0;
-      direct_run_to_give_back_ *= 2;
+      idle_run_ = 0;
+      idle_run_to_give_back_ *= 2;
     }
   }
 
@@ -781,8 +782,8 @@ class IpcChannel {
   int64_t known_data_seq_ = -1;
   int64_t known_host_seq_ = -1;
   const size_t initial_slot_bytes_;
-  uint64_t direct_run_to_give_back_;  // give_back_idle_slots': direct messages in a row before the slots shrink
-  uint64_t direct_run_ = 0;           // received in order, into posted buffers, since the last that was not
+  uint64_t idle_run_to_give_back_;  // give_back_idle_slots': messages in a row not in the grown slots, to shrink them
+  uint64_t idle_run_ = 0;           // received in order since the last that needed the grown slots
   uint64_t direct_sends_ = 0;
   uint64_t direct_recvs_ = 0;
   uint64_t ahead_recvs_ = 0;
