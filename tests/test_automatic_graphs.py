@@ -98,9 +98,23 @@ class Cached(nn.Module):
     (lambda m: m.to(torch.float64), "parameters' memory.*buffers' memory|parameters' memory"),
     (lambda m: m.linear.weight.register_hook(lambda grad: grad * 2), "parameters' gradient hooks"),
     (lambda m: m.linear.bias.register_post_accumulate_grad_hook(print), "parameters' gradient hooks"),
+    (lambda m: torch.set_float32_matmul_precision("high"), "kernel settings"),
+    (lambda m: torch.backends.cuda.enable_flash_sdp(False), "kernel settings"),
+    (lambda m: torch.use_deterministic_algorithms(True), "kernel settings"),
 ])
 def test_what_the_replays_cannot_see_is_named_as_changed(change, expected):
     module = Cached()
+    settings = (torch.get_float32_matmul_precision(), torch.backends.cuda.flash_sdp_enabled(),
+                torch.are_deterministic_algorithms_enabled())
+    try:
+        _changed_after_capture(module, change, expected)
+    finally:
+        torch.set_float32_matmul_precision(settings[0])
+        torch.backends.cuda.enable_flash_sdp(settings[1])
+        torch.use_deterministic_algorithms(settings[2])
+
+
+def _changed_after_capture(module: Cached, change, expected) -> None:
     graphed = GraphedStage(module, GradientSink(list(module.parameters()), main_grad=False), [("F", 0), ("B", 0)],
                            stage=0, loss=None)
     graphed.record_state()  # as a capture ends

@@ -3,8 +3,9 @@
 A replay reads the parameters and buffers at the addresses the capture found them, and every value the forward read
 from Python then as a constant. ``CaptureState`` records those a step can cheaply look at again: the parameters'
 and buffers' memory, which parameters require grad and which have gradient hooks, every module's attributes holding
-plain values or tensors kept outside parameters and buffers, and autocast and grad mode. Values read from elsewhere (a
-global, a closure) it cannot see (docs/using.md, "CUDA graphs").
+plain values or tensors kept outside parameters and buffers, autocast and grad mode, and torch's global settings that
+pick the kernels (TF32, reduced-precision reductions, attention backends, deterministic algorithms). Values read from
+elsewhere (a global, a closure) it cannot see (docs/using.md, "CUDA graphs").
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from torch import nn
 __all__: list[str] = []
 
 _PARTS = ("parameters' memory", "parameters' requires_grad", "parameters' gradient hooks", "buffers' memory",
-          "autocast and grad mode")
+          "autocast and grad mode", "torch's kernel settings (TF32, reduced-precision reductions, attention backends, "
+          "deterministic algorithms)")
 _MISSING = object()
 
 
@@ -31,7 +33,7 @@ class CaptureState:
     def changed(self) -> list[str]:
         """What the replays would miss (empty: nothing): a parameter or buffer moved to other memory, a parameter
         frozen or unfrozen or given a gradient hook, a watched attribute set anew (``training``, a dropout's ``p``, a
-        temperature, a cached tensor replaced), autocast or grad mode. Cheap enough for every step: a few reads per
+        temperature, a cached tensor replaced), autocast or grad mode, a kernel setting. Cheap enough for every step: a few reads per
         parameter, buffer and attribute."""
         changed = [name for name, old, new in zip(_PARTS, self._state, _state(self.module)) if old != new]
         return changed + [f"{type(inner).__name__}.{name} (was {_shown(value)})"
@@ -44,7 +46,18 @@ def _state(module: nn.Module) -> tuple:
     return (tuple(p.data_ptr() for p in params), tuple(p.requires_grad for p in params),
             any(p._backward_hooks or p._post_accumulate_grad_hooks for p in params),  # a capture saw none
             tuple(b.data_ptr() for b in module.buffers()),
-            (torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")))
+            (torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")),
+            _kernel_settings())
+
+
+def _kernel_settings() -> tuple:
+    """The global settings by which torch picks a kernel, and so the numbers it gives: a replay runs the kernels the
+    capture picked under the settings then, where eager would pick by today's."""
+    matmul, sdp = torch.backends.cuda.matmul, torch.backends.cuda
+    return (torch.get_float32_matmul_precision(), matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+            matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction,
+            sdp.flash_sdp_enabled(), sdp.mem_efficient_sdp_enabled(), sdp.math_sdp_enabled(), sdp.cudnn_sdp_enabled(),
+            torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)
 
 
 def _watched(value: object) -> bool:
