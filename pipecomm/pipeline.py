@@ -29,7 +29,6 @@ interleave on the process groups. An overlapping call raises and fails its Pipel
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -180,7 +179,10 @@ class Pipeline:
                                      'or "eager: " and why it gave graphs up.')
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        return itertools.chain.from_iterable(self.modules[stage].parameters() for stage in self.stages)
+        """This rank's stages' parameters, each once: two stages of this rank may share one (zb-v's first and last
+        stage, a tied embedding and head), which an optimizer given it twice would step twice."""
+        modules = [self.modules[stage] for stage in self.stages]
+        return iter({id(param): param for module in modules for param in module.parameters()}.values())
 
     def step(self, *inputs, target=None, **kwargs) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean micro-batch loss on every rank.

@@ -66,14 +66,22 @@ def build(num_stages: int) -> TiedLM:
     return TiedLM(num_stages)
 
 
-def tied_weights(rank: int, world_size: int) -> str:
-    model = build(world_size)
+def tied_weights(rank: int, world_size: int, schedule: str) -> str:
+    """Three steps with clipping and SGD; under zb-v the embedding (stage 0) and the head (the last stage) both sit on
+    rank 0, one Parameter in two stage modules: it counts once in the norm and the optimizer."""
+    num_stages = 2 * world_size if schedule == "zb-v" else world_size
+    mine = list(pipecomm.make_schedule(schedule, world_size, 4).stages_of(rank)) if schedule == "zb-v" else [rank]
+    model = build(num_stages)
     reference = copy.deepcopy(model)
-    stage = pipecomm.split(model, world_size, rank, example_inputs=tokens(0, 2)[:1])
-    if rank in (0, world_size - 1):
-        assert stage.shared_parameters == {"embed.weight" if rank == 0 else "head.weight": (0, world_size - 1)}
-    pipe = pipecomm.Pipeline(stage, stage=rank, num_stages=world_size, loss_fn=loss_fn, micro_batches=4, timeout=60)
-    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+    stages = pipecomm.split(model, num_stages, mine, example_inputs=tokens(0, 2)[:1])
+    for stage, index in zip(stages, mine):
+        if index in (0, num_stages - 1):
+            assert stage.shared_parameters == {"embed.weight" if index == 0 else "head.weight": (0, num_stages - 1)}
+    pipe = pipecomm.Pipeline(stages, stage=mine, num_stages=num_stages, loss_fn=loss_fn, micro_batches=4,
+                             schedule=schedule, timeout=60)
+    params = list(pipe.parameters())
+    assert len(params) == len({id(param) for param in params})
+    optimizer = torch.optim.SGD(params, lr=0.1)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
         inputs, targets = tokens(step, 8)
@@ -81,29 +89,28 @@ def tied_weights(rank: int, world_size: int) -> str:
         ref_loss = loss_fn(reference(inputs), targets)
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-        # A bound small enough to scale every step: the tied weight, held by two ranks, counts once in the norm.
+        # A bound small enough to scale every step: the tied weight counts once in the norm.
         norm = pipe.clip_grad_norm_(0.05)
         torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05),
                                    rtol=1e-5, atol=1e-6)
         ref_params = dict(reference.named_parameters(remove_duplicate=False))
-        for name, param in stage.named_parameters(remove_duplicate=False):
-            # The tied weight's gradient sums the embedding's and the head's uses on both stages.
-            torch.testing.assert_close(param.grad, ref_params[name].grad, rtol=1e-5, atol=1e-6)
+        for stage in stages:
+            for name, param in stage.named_parameters(remove_duplicate=False):
+                # The tied weight's gradient sums the embedding's and the head's uses on both stages.
+                torch.testing.assert_close(param.grad, ref_params[name].grad, rtol=1e-5, atol=1e-6)
         optimizer.step()
         ref_optimizer.step()
         optimizer.zero_grad()
         ref_optimizer.zero_grad()
-    if rank == 0:
-        torch.testing.assert_close(stage.embed.weight, reference.embed.weight)
-    if rank == world_size - 1:
-        torch.testing.assert_close(stage.head.weight, reference.head.weight)
+    if 0 in mine or num_stages - 1 in mine:
+        torch.testing.assert_close(model.embed.weight, reference.embed.weight)
     pipe.close()
     return "ok"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_tied_embedding_and_head_match_the_single_model(tmp_path, world_size):
-    run_ranks(world_size, tied_weights, tmp_path, timeout=120)
+@pytest.mark.parametrize(("world_size", "schedule"), [(2, "1f1b"), (4, "1f1b"), (2, "zb-v")])
+def test_tied_embedding_and_head_match_the_single_model(tmp_path, world_size, schedule):
+    run_ranks(world_size, tied_weights, tmp_path, schedule, timeout=120)
 
 
 def data_times_pipeline(rank: int, world_size: int) -> str:

@@ -52,7 +52,10 @@ class GradientFinalizer:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, several_ranks: bool) -> torch.Tensor:
         """Clips every stage's gradients by the global norm across the whole pipeline; returns that norm."""
-        held = [(p, g) for sink in self.sinks.values() for p in sink.params if (g := sink.target(p)) is not None]
+        # A parameter of two stages on this rank (a tied embedding and head under zb-v) is one gradient, counted and
+        # scaled once.
+        held = list({id(p): (p, g) for sink in self.sinks.values() for p in sink.params
+                     if (g := sink.target(p)) is not None}.values())
         grads = [grad for _, grad in held]
         elsewhere = self.shared.counted_by_another_rank() if self.shared else set()
         counted = [grad for param, grad in held if id(param) not in elsewhere]
