@@ -623,6 +623,26 @@ def test_a_loss_that_is_not_one_number_is_refused_by_name(loss_fn, returned):
     assert raised.value.__notes__ == ["pipecomm: in the forward of stage 0, micro-batch 0, on pipeline rank 0"]
 
 
+def test_a_loss_that_requires_no_grad_is_refused_and_a_one_element_loss_trains():
+    """A detached loss: one process's backward() raises, where the step would return it and train nothing. A loss of
+    shape (1,) backpropagates in one process, and does here."""
+    detached = pipecomm.Pipeline(nn.Linear(8, 8), stage=0, num_stages=1, micro_batches=2,
+                                 loss_fn=lambda output, target: nn.functional.mse_loss(output.detach(), target))
+    with pytest.raises(RuntimeError, match="loss_fn returned a loss that does not require grad"):
+        detached.step(torch.randn(4, 8), target=torch.randn(4, 8))
+    module = nn.Linear(8, 8)
+    reference = copy.deepcopy(module)
+    pipe = pipecomm.Pipeline(module, stage=0, num_stages=1, micro_batches=2,
+                             loss_fn=lambda output, target: nn.functional.mse_loss(output, target).reshape(1))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    loss = pipe.step(x, target=y)
+    ref_loss = sum(nn.functional.mse_loss(reference(a), b) / 2 for a, b in zip(x.chunk(2), y.chunk(2)))
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach())
+    for param, ref in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad)
+
+
 class _DoublesItsInputInPlace(nn.Module):
     def __init__(self):
         super().__init__()

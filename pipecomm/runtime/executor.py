@@ -199,7 +199,12 @@ class StageExecutor:
             raise TypeError(f"loss_fn must return the micro-batch's loss as a tensor of one element, as "
                             f"loss.backward() needs, but it returned {what}; reduce it (.mean(), .sum()) or return "
                             "the loss alone")
-        return loss / self.schedule.micro_batches
+        if not loss.requires_grad:
+            # loss.backward() in one process raises here; the step would return the loss and train nothing.
+            raise RuntimeError("loss_fn returned a loss that does not require grad, so no gradient reaches any "
+                               "parameter (loss.backward() in one process raises here too): it was detached or "
+                               "computed under torch.no_grad(), or nothing before it requires grad")
+        return loss.reshape(()) / self.schedule.micro_batches
 
     def _callers_tensors(self, stage: int, args: tuple, kwargs: dict, targets: tuple) -> list[torch.Tensor]:
         """The caller's tensors among a micro-batch's first-stage arguments and last-stage targets that require grad:
