@@ -199,11 +199,12 @@ class StageExecutor:
             raise TypeError(f"loss_fn must return the micro-batch's loss as a tensor of one element, as "
                             f"loss.backward() needs, but it returned {what}; reduce it (.mean(), .sum()) or return "
                             "the loss alone")
-        if not loss.requires_grad:
-            # loss.backward() in one process raises here; the step would return the loss and train nothing.
-            raise RuntimeError("loss_fn returned a loss that does not require grad, so no gradient reaches any "
-                               "parameter (loss.backward() in one process raises here too): it was detached or "
-                               "computed under torch.no_grad(), or nothing before it requires grad")
+        if not loss.requires_grad and any(tensor.requires_grad for tensor in boundary.flatten(output).tensors):
+            # The step would return the loss and train nothing; loss.backward() in one process raises here. (A model
+            # frozen whole, whose output requires no grad either, steps as before: nothing to train.)
+            raise RuntimeError("loss_fn returned a loss that does not require grad from an output that does, so no "
+                               "gradient would reach any parameter (loss.backward() in one process raises here): "
+                               "it detached the output or computed the loss under torch.no_grad()")
         return loss.reshape(()) / self.schedule.micro_batches
 
     def _callers_tensors(self, stage: int, args: tuple, kwargs: dict, targets: tuple) -> list[torch.Tensor]:
