@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import pytest
@@ -131,6 +132,137 @@ def test_module_hooks_run_on_the_users_own_modules():
     calls.clear()
     chain(stages, tokens(2, 8))
     assert calls == [model.transformer.h[3]]
+
+
+class Doubling(nn.Module):
+    """Two blocks on two stages; a forward pre-hook on each annotated block changes its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        for stage, block in enumerate(self.blocks):
+            block.pipeline_stage = stage
+            block.register_forward_pre_hook(lambda module, args: (args[0] * 2 + 0.1,))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def test_forward_pre_hooks_on_annotated_modules_run_once():
+    """torch.export marks a module call's start after its pre-hooks: what they computed landed in the captured glue,
+    then ran again in the module's own call."""
+    model = Doubling()
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(chain(stages, x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_hugging_face_gradient_checkpointing_is_captured_and_recomputes(reentrant):
+    """A reentrant checkpoint (Hugging Face's default) runs under no_grad inside an autograd.Function, which the
+    capture could not cut into module calls (an IndexError deep in the rebuild); the layers still checkpoint."""
+    model = llama(2)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    reference = copy.deepcopy(model)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(tokens(2, 8),))
+    calls = {"split": 0, "one process": 0}
+    for name, layer in (("split", model.model.layers[0]), ("one process", reference.model.layers[0])):
+        layer.self_attn.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    inputs = tokens(2, 8, seed=2)
+    chain(stages, inputs).logits.sum().backward()
+    reference(inputs).logits.sum().backward()
+    assert calls == {"split": 2, "one process": 2}  # the forward, and its recomputation in the backward
+    assert_same_grads(model, reference)
+
+
+class Residual(nn.Module):
+    """A block whose forward has functional ops of its own (a wrapped module's call that torch.export loses shows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.linear = nn.LayerNorm(4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + nn.functional.gelu(self.linear(self.norm(x)))
+
+
+@pytest.mark.parametrize("annotated", ["block", "wrapper"])
+def test_torch_compile_wrappers_run_on_their_stage_as_the_model_calls_them(annotated):
+    """Through a torch.compile wrapper the capture records no call of the block, whose body then landed in the glue,
+    on the first stage (every block there, exact but not pipelined), and the stage called no compiled code."""
+    blocks = nn.ModuleList(Residual() for _ in range(4))
+    for index in range(4):
+        if annotated == "block":
+            blocks[index].pipeline_stage = index // 2
+        blocks[index] = torch.compile(blocks[index], backend="eager")
+        if annotated == "wrapper":
+            blocks[index].pipeline_stage = index // 2
+    model = Chain(blocks)
+    reference = copy.deepcopy(model)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    assert [stage.layer_names for stage in stages] == [("blocks.0", "blocks.1"), ("blocks.2", "blocks.3")]
+    assert stages[1].get_submodule("blocks.2") is blocks[2]
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(chain(stages, x), reference(x), rtol=0, atol=0)
+
+
+class Chain(nn.Module):
+    def __init__(self, blocks: nn.ModuleList):
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+@dataclasses.dataclass
+class Settings:
+    temperature: float = 1.0
+    verbose: bool = False
+
+
+class ReadsItsOwnValues(nn.Module):
+    """A forward that reads its training flag (a functional dropout, or a warning only) and a config's temperature
+    outside its annotated modules, which the capture makes constants."""
+
+    def __init__(self, dropout: bool):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
+        self.settings = Settings()
+        self.dropout = dropout
+
+    def forward(self, x):
+        h = self.first(x)
+        if self.dropout:
+            h = nn.functional.dropout(h, 0.5, self.training)
+        elif self.training and self.settings.verbose:
+            print("training")  # the flag changes nothing the capture holds
+        return self.second(h / self.settings.temperature)
+
+
+@pytest.mark.parametrize(("change", "dropout", "message"), [
+    (lambda m: m.eval(), True, "ReadsItsOwnValues.training: True at the capture, False now"),
+    (lambda m: m.eval(), False, None),
+    (lambda m: setattr(m.settings, "temperature", 0.25),
+     False, "Settings (settings).temperature: 1.0 at the capture, 0.25 now"),
+], ids=["dropout-eval", "warning-eval", "config"])
+def test_values_the_captured_forward_read_are_checked_before_each_call(change, dropout, message):
+    model = ReadsItsOwnValues(dropout)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    change(model)
+    x = torch.randn(3, 4)
+    if message is None:
+        torch.testing.assert_close(chain(stages, x), model(x), rtol=0, atol=0)
+        return
+    with raises(f"with these values as constants, and they have changed since: {message}."):
+        stages[0](x)
+    with raises(message):
+        stages[1](torch.randn(3, 4))
 
 
 def test_a_model_with_its_own_forward_needs_example_inputs():

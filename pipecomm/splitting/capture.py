@@ -28,6 +28,7 @@ from torch import nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 
+from pipecomm.splitting.read_values import ReadValuesCheck, mattering, recording_reads
 from pipecomm.splitting.stages import annotated_stages, shared_parameters
 
 __all__: list[str] = []
@@ -68,7 +69,10 @@ def capture_split(
     """The requested stages of ``model``, cut from one capture of its forward."""
     stage_of = annotated_stages(model, num_stages)
     units = _units(model, stage_of)
-    exported = _export(model, example_args, example_kwargs, units, stack_traces=False)
+    with recording_reads(_glue_modules(model, units)) as reads:
+        exported = _export(model, example_args, example_kwargs, units, stack_traces=False)
+    reads = mattering(reads, lambda: _export(model, example_args, example_kwargs, units, stack_traces=False)
+                      .graph_module.code, exported.graph_module.code)
     graph = _outline_units(exported, set(units))
     try:
         placement = _place(graph, stage_of, num_stages)
@@ -82,6 +86,9 @@ def capture_split(
         stage.shared_parameters = stage_shared
     built[0].register_forward_pre_hook(_ArgumentCheck(model, example_args, example_kwargs, built[0], exported),
                                        with_kwargs=True)
+    if reads:
+        for stage in built:
+            stage.register_forward_pre_hook(ReadValuesCheck(model, reads), with_kwargs=True)
     chosen = [built[index] for index in stages]
     if device is not None:
         for module in chosen:
@@ -107,7 +114,7 @@ def _units(model: nn.Module, stage_of: dict[str, int | None]) -> list[str]:
                 continue
             name = f"{prefix}.{child_name}" if prefix else child_name
             whole = len(subtree_stages[name]) == 1
-            if whole and type(child).forward is not nn.Module.forward:
+            if whole and (type(child).forward is not nn.Module.forward or _compiled_wrapper(child)):
                 units.append(name)
             else:
                 visit(name, child)
@@ -120,6 +127,37 @@ def _units(model: nn.Module, stage_of: dict[str, int | None]) -> list[str]:
         raise ValueError("split: the whole model sits on one stage; there is nothing to cut")
     visit("", model)
     return units
+
+
+def _compiled_wrapper(module: nn.Module) -> bool:
+    """A ``torch.compile(module)`` wrapper, whose forward is an instance attribute calling its ``_orig_mod``."""
+    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
+
+
+@contextlib.contextmanager
+def _compiled_units_unwrapped(model: nn.Module, units: list[str]) -> Iterator[None]:
+    """Each unit that is a ``torch.compile`` wrapper replaced by the module it wraps, under the wrapper's name: the
+    capture then sees that module's call as the unit's (through the wrapper it records none, and the unit's body
+    would land in the glue, placed by data flow), and the stage calls the wrapper, compiled, as the model does."""
+    swapped = []
+    try:
+        for unit in units:
+            wrapper = model.get_submodule(unit)
+            if _compiled_wrapper(wrapper):
+                parent_name, _, child = unit.rpartition(".")
+                parent = model.get_submodule(parent_name)
+                parent._modules[child] = wrapper._orig_mod
+                swapped.append((parent, child, wrapper))
+        yield
+    finally:
+        for parent, child, wrapper in swapped:
+            parent._modules[child] = wrapper
+
+
+def _glue_modules(model: nn.Module, units: list[str]) -> list[tuple[str, nn.Module]]:
+    """The modules whose own forward code the capture traces into the glue: those not within a unit."""
+    return [(name, module) for name, module in model.named_modules()
+            if not any(name == unit or name.startswith(unit + ".") for unit in units)]
 
 
 # -- capture ---------------------------------------------------------------------------------------
@@ -140,11 +178,45 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, units: list[str],
     if any(kinds[name] in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for name in bound.arguments):
         dynamic_shapes = None  # torch.export names *args/**kwargs differently; fall back to its default
     try:
-        with torch.random.fork_rng(devices=[]), _recording_stack_traces(stack_traces):
+        with (torch.random.fork_rng(devices=[]), _recording_stack_traces(stack_traces),
+              _compiled_units_unwrapped(model, units), _without_pre_hooks([model.get_submodule(unit) for unit in units]),
+              _reentrant_checkpoints_traced_through()):
             return torch.export.export(model, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic_shapes,
                                        preserve_module_call_signature=tuple(units))
     except Exception as error:  # noqa: BLE001 - every capture failure becomes the same clear error
         raise ValueError(_capture_failure(model, error)) from error
+
+
+@contextlib.contextmanager
+def _reentrant_checkpoints_traced_through() -> Iterator[None]:
+    """torch.utils.checkpoint with use_reentrant=True (Hugging Face's default) runs its function under no_grad inside
+    an autograd.Function, which the capture cannot cut into module calls; the capture traces the function itself
+    instead. A unit's traced body gives way to its module call, which checkpoints as written at every step; a
+    checkpoint in the glue is not kept, as a non-reentrant one is not (docs/your-model.md)."""
+    function = torch.utils.checkpoint.CheckpointFunction
+    own = function.__dict__.get("apply")
+    function.apply = staticmethod(lambda run, preserve_rng_state, *args: run(*args))
+    try:
+        yield
+    finally:
+        if own is None:
+            del function.apply
+        else:
+            function.apply = own
+
+
+@contextlib.contextmanager
+def _without_pre_hooks(units: list[nn.Module]) -> Iterator[None]:
+    """The units' forward pre-hooks set aside: torch.export marks where a unit's call begins after them, so what they
+    compute would land in the glue, and run again in the unit's own call at every step."""
+    kept = [(unit, unit._forward_pre_hooks) for unit in units if unit._forward_pre_hooks]
+    try:
+        for unit, _ in kept:
+            unit._forward_pre_hooks = collections.OrderedDict()
+        yield
+    finally:
+        for unit, hooks in kept:
+            unit._forward_pre_hooks = hooks
 
 
 @contextlib.contextmanager
@@ -170,8 +242,19 @@ def _capture_failure(model: nn.Module, error: Exception) -> str:
                  ".item(), .tolist(), a nonzero-sized result)") if data_dependent else "an operation torch.export cannot capture"
     summary = lines[0] if lines else type(error).__name__
     location = f" at {where[0]}" if where else ""
+    said = f"torch.export said: {type(error).__name__}: {summary[:400]}"
+    if "Cache" in text and "pytree flattened inputs" in text:
+        return (f"split: cannot capture {type(model).__name__}.forward on example_inputs: a module that runs whole on a "
+                f"stage is called with a key-value cache ({said}). A cache serves generation, not a training step: "
+                "set use_cache=False in the model's config")
+    if "pytree flattened inputs" in text or "Expected code to be unreachable" in text:
+        return (f"split: cannot capture {type(model).__name__}.forward on example_inputs: a module that runs whole on a "
+                "stage is called with, or returns, a value torch.export cannot keep at a module's call (a str, a size "
+                f"read from a tensor's shape, an object of its own; {said}). Let the module find it itself (a str as "
+                "its attribute, a size from its input's shape), or annotate the module above it, so that the call "
+                "lies inside one stage")
     return (f"split: cannot capture {type(model).__name__}.forward on example_inputs: it uses {construct}{location}. "
-            f"torch.export said: {type(error).__name__}: {summary[:400]}. Make that code depend on shapes or "
+            f"{said}. Make that code depend on shapes or "
             "Python values only, or annotate at a coarser level by splitting the model by hand into stage modules "
             "(nn.Sequential children) and passing them to pipecomm.Pipeline")
 

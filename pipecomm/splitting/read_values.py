@@ -1,0 +1,150 @@
+"""Python values that a captured forward's own code read, such as a module's ``training`` flag or a temperature: recorded
+while torch.export traces it, and checked again before every call of a stage cut from it.
+
+The capture turns every such read into a constant: ``F.dropout(h, 0.1, self.training)`` in a model's forward, outside
+its annotated modules, is a dropout or nothing for good, whatever ``model.eval()`` says later. The annotated modules
+are called as the user's own objects and read their attributes at each call; only the code around them is frozen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+__all__: list[str] = []
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+
+
+class ValueRead:
+    """``owner.name`` read as ``value`` by the traced code; ``path`` names the owner in the model."""
+
+    def __init__(self, owner: object, path: str, name: str, value: object):
+        self.owner, self.path, self.name, self.value = owner, path, name, value
+
+    def now(self) -> object:
+        return vars(self.owner).get(self.name, _GONE)
+
+    def describe(self) -> str:
+        where = f"{type(self.owner).__name__}" + (f" ({self.path})" if self.path else "")
+        return f"{where}.{self.name}: {self.value!r} at the capture, {_shown(self.now())} now"
+
+
+_GONE = object()
+
+
+def _shown(value: object) -> str:
+    return "deleted" if value is _GONE else repr(value)
+
+
+# While a capture records: id(owner) -> (its path, where its reads go, the names already recorded).
+_RECORDING: dict[int, tuple[str, list[ValueRead], set[str]]] = {}
+
+
+@contextlib.contextmanager
+def recording_reads(modules: Sequence[tuple[str, nn.Module]]) -> Iterator[list[ValueRead]]:
+    """Within the block, every read of a plain value (bool, int, float, str, None, dtype) kept in the own attributes
+    of ``modules``, or of the plain objects they hold (a Hugging Face config), is recorded once per attribute, as the
+    value first read. Each owner's class is swapped for a subclass that records, and restored after."""
+    reads: list[ValueRead] = []
+    swapped: list[tuple[object, type]] = []
+    owners = [(path, module) for path, module in modules]
+    owners += [(f"{path}.{name}" if path else name, value) for path, module in modules
+               for name, value in vars(module).items() if _plain_object(value)]
+    try:
+        for path, owner in owners:
+            if id(owner) in _RECORDING:
+                continue  # held twice (one config in every module)
+            original = type(owner)
+            try:
+                owner.__class__ = _recording_class(original)
+            except TypeError:  # a layout that cannot take a subclass (slots): left unrecorded
+                continue
+            swapped.append((owner, original))
+            _RECORDING[id(owner)] = (path, reads, set())
+        yield reads
+    finally:
+        for owner, original in swapped:
+            owner.__class__ = original
+            _RECORDING.pop(id(owner), None)
+
+
+def _plain_object(value: object) -> bool:
+    """An object of the caller's own that keeps its values as attributes (a config), not a module, tensor, function,
+    class or container."""
+    return (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, torch.Tensor, type))
+            and not callable(value) and type(value).__module__ != "builtins")
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _recording_class(original: type) -> type:
+    if original not in _SUBCLASSES:
+        def __getattribute__(self, name):  # noqa: N807 - the hook Python looks up by this name
+            value = original.__getattribute__(self, name)
+            if type(value) in _PLAIN and id(self) in _RECORDING:
+                path, reads, seen = _RECORDING[id(self)]
+                if name not in seen and name in object.__getattribute__(self, "__dict__"):
+                    seen.add(name)
+                    reads.append(ValueRead(self, path, name, value))
+            return value
+
+        _SUBCLASSES[original] = type(original.__name__, (original,), {
+            "__getattribute__": __getattribute__, "__module__": original.__module__,
+            "__qualname__": original.__qualname__})
+    return _SUBCLASSES[original]
+
+
+def mattering(reads: list[ValueRead], capture_again: Callable[[], str], captured: str) -> list[ValueRead]:
+    """``reads`` but the ``training`` flags whose other value the capture would not notice: they are flipped and the
+    forward captured again (``capture_again``, its code), all at once, then, if that changed the code or failed, one
+    by one; a flag whose flip leaves ``captured`` as it was goes unwatched, so that ``model.eval()`` stays free where
+    the forward only warns by it. Other values stay watched without a second capture (a capture's time each)."""
+    flags = [read for read in reads if read.name == "training"]
+    if not flags:
+        return reads
+    if _same_capture(flags, capture_again, captured):
+        return [read for read in reads if read not in flags]
+    if len(flags) == 1:
+        return reads
+    return [read for read in reads if read not in flags or not _same_capture([read], capture_again, captured)]
+
+
+def _same_capture(flags: list[ValueRead], capture_again: Callable[[], str], captured: str) -> bool:
+    for read in flags:
+        vars(read.owner)[read.name] = not read.value
+    try:
+        return capture_again() == captured
+    except Exception:  # noqa: BLE001 - a forward that cannot run with them flipped depends on them
+        return False
+    finally:
+        for read in flags:
+            vars(read.owner)[read.name] = read.value
+
+
+class ReadValuesCheck:
+    """A stage's forward pre-hook: refuses a call once a value the capture read has changed, naming it; the stage
+    would compute what the capture saw."""
+
+    def __init__(self, model: nn.Module, reads: list[ValueRead]):
+        self.model_name = type(model).__name__
+        self.reads = reads
+
+    def __call__(self, module, args, kwargs):
+        changed = [read for read in self.reads if not _same(read.now(), read.value)]
+        if changed:
+            raise ValueError(
+                f"split captured {self.model_name}.forward's own code (outside the modules that run whole on a stage) "
+                "with these values as constants, and they have changed since: "
+                + "; ".join(read.describe() for read in changed)
+                + ". The stages would compute what the capture saw. Set them before split, move what reads them into "
+                "a module (nn.Dropout rather than F.dropout(x, p, self.training)), or split the model again after "
+                "the change (a Pipeline of its own)")
+
+
+def _same(now: object, then: object) -> bool:
+    return type(now) is type(then) and now == then
