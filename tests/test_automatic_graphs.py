@@ -4,6 +4,7 @@ against one eager process through short batches, frozen parameters, changed attr
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import re
 import warnings
@@ -124,6 +125,36 @@ def _changed_after_capture(module: Cached, change, expected) -> None:
         assert found is None
     else:
         assert found is not None and re.search(expected, found), found
+
+
+@dataclasses.dataclass
+class Scale:
+    factor: float = 1.0
+
+
+class ScaledBetween(nn.Module):
+    """Reads a config's value between its annotated modules: code the capture makes a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
+        self.config = Scale()
+
+    def forward(self, x):
+        return self.second(self.first(x) * self.config.factor)
+
+
+def test_a_value_the_split_capture_read_is_named_as_changed():
+    """A stage cut by split checks such values at each call, which a replay does not make: the graphs ask too."""
+    model = ScaledBetween()
+    stage = pipecomm.split(model, 2, 0, example_inputs=(torch.randn(2, 4),))
+    graphed = GraphedStage(stage, GradientSink(list(stage.parameters()), main_grad=False), [("F", 0), ("B", 0)],
+                           stage=0, loss=None)
+    graphed.record_state()
+    assert graphed.changed_since_capture() is None
+    model.config.factor = 2.0
+    assert "Scale (config).factor: 1.0 at the capture, 2.0 now" in graphed.changed_since_capture()
 
 
 def test_cuda_graphs_true_refuses_a_gradient_hook_it_would_not_replay():

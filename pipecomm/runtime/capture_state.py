@@ -36,9 +36,12 @@ class CaptureState:
         temperature, a cached tensor replaced), autocast or grad mode, a kernel setting. Cheap enough for every step: a few reads per
         parameter, buffer and attribute."""
         changed = [name for name, old, new in zip(_PARTS, self._state, _state(self.module)) if old != new]
-        return changed + [f"{type(inner).__name__}.{name} (was {_shown(value)})"
-                          for inner, name, value in self._attributes
-                          if not _same_value(inner.__dict__.get(name, _MISSING), value)]
+        # A stage cut by split: the values its captured code read (a config's), which the stage checks at each call.
+        read = [text for hook in self.module._forward_pre_hooks.values() if hasattr(hook, "changed")
+                for text in hook.changed()]
+        return changed + read + [f"{type(inner).__name__}.{name} (was {_shown(value)})"
+                                 for inner, name, value in self._attributes
+                                 if not _same_value(inner.__dict__.get(name, _MISSING), value)]
 
 
 def _state(module: nn.Module) -> tuple:

@@ -134,13 +134,17 @@ class ReadValuesCheck:
         self.model_name = type(model).__name__
         self.reads = reads
 
+    def changed(self) -> list[str]:
+        """The values read that have changed since the capture, described."""
+        return [read.describe() for read in self.reads if not _same(read.now(), read.value)]
+
     def __call__(self, module, args, kwargs):
-        changed = [read for read in self.reads if not _same(read.now(), read.value)]
+        changed = self.changed()
         if changed:
             raise ValueError(
                 f"split captured {self.model_name}.forward's own code (outside the modules that run whole on a stage) "
                 "with these values as constants, and they have changed since: "
-                + "; ".join(read.describe() for read in changed)
+                + "; ".join(changed)
                 + ". The stages would compute what the capture saw. Set them before split, move what reads them into "
                 "a module (nn.Dropout rather than F.dropout(x, p, self.training)), or split the model again after "
                 "the change (a Pipeline of its own)")
