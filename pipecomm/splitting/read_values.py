@@ -24,9 +24,11 @@ class ValueRead:
 
     def __init__(self, owner: object, path: str, name: str, value: object):
         self.owner, self.path, self.name, self.value = owner, path, name, value
+        # Read past the owner's own __getattribute__ (a Hugging Face config's is Python's): checked at every call.
+        self._attributes = object.__getattribute__(owner, "__dict__")
 
     def now(self) -> object:
-        return vars(self.owner).get(self.name, _GONE)
+        return self._attributes.get(self.name, _GONE)
 
     def describe(self) -> str:
         where = f"{type(self.owner).__name__}" + (f" ({self.path})" if self.path else "")
