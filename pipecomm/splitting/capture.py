@@ -286,9 +286,15 @@ class _ArgumentCheck:
         try:
             torch._export.utils._check_input_constraints_for_graph(self.placeholders, flat, self.range_constraints)
         except RuntimeError as error:
-            raise ValueError(f"split: these inputs do not fit the captured forward: {error}. The capture holds "
-                             "for the shapes torch.export could keep symbolic; capture with an example micro-batch "
-                             "of at least 2 samples and sequence positions") from error
+            text = str(error)
+            if "to be equal to" in text or "to be a tensor" in text or "to be None" in text:
+                # A Python value (or None for a tensor) is part of the capture, as a constant.
+                advice = ("The capture holds for the Python values and the Nones of its example as they were; pass "
+                          "the same, or split with an example that has the ones you call with (a Pipeline of its own)")
+            else:
+                advice = ("The capture holds for the shapes torch.export could keep symbolic; capture with an "
+                          "example micro-batch of at least 2 samples and sequence positions")
+            raise ValueError(f"split: these inputs do not fit the captured forward: {text}. {advice}") from error
         return args, kwargs
 
 
