@@ -42,7 +42,8 @@ from pipecomm.parallel.grad_sync import SharedParameters
 from pipecomm.parallel.mesh import global_rank
 from pipecomm.parallel.sharded_stages import ShardedStages
 from pipecomm.runtime import fail_fast, microbatch, stage_state, step_trace
-from pipecomm.runtime.checks import check_configuration, check_options, graph_mode, module_device, starting_schedule
+from pipecomm.runtime.checks import (check_configuration, check_options, checked_batch_dim, graph_mode, module_device,
+                                     starting_schedule)
 from pipecomm.runtime.collectives import PipelineCollectives
 from pipecomm.runtime.device_timing import DeviceTimeline
 from pipecomm.runtime.links import NeighbourLinks
@@ -77,6 +78,9 @@ class Pipeline:
     first steps, plans for the slowest rank's costs, tries the plan and 1f1b and keeps the faster; "zb-h2" and
     "zb-v" by name run their order rebuilt for the costs of the first step from the second on (docs/schedules.md;
     ``pipe.schedule``, ``pipe.planned_costs``, ``pipe.auto_step_times``).
+    ``batch_dim`` is the dimension along which every tensor of the inputs and targets is split into micro-batches
+    (default 0; 1 for sequence-first data: an LSTM's or nn.Transformer's with batch_first=False, whose presence in a
+    stage warns once while batch_dim is left unsaid).
     ``group`` is the pipeline's process group, ordered by stage (default: the whole world);
     ``data_group`` holds this stage's data-parallel replicas, whose gradients are averaged
     (``pipecomm.init`` makes both).
@@ -109,6 +113,7 @@ class Pipeline:
         num_stages: int,
         loss_fn: Callable,
         micro_batches: int,
+        batch_dim: int | None = None,
         schedule: str | Schedule = "1f1b",
         group: dist.ProcessGroup | None = None,
         data_group: dist.ProcessGroup | None = None,
@@ -134,6 +139,7 @@ class Pipeline:
         self._prepared: PreparedStages | None = None
         with self.calls.failing("building the Pipeline"):
             check_configuration(modules, stages, num_stages, self.num_ranks, schedule)
+            self.batch_dim = checked_batch_dim(batch_dim, dict(zip(stages, modules)))
             auto = schedule == "auto"
             starting = starting_schedule(schedule, self.num_ranks, micro_batches, stages, self.rank)
             self.num_stages = num_stages
@@ -206,7 +212,8 @@ class Pipeline:
             self._sharded.gather_ahead()
             loss = self._executor.run(*microbatch.split_step(inputs, kwargs, target, self.micro_batches, self.device,
                                                              first=0 in self.stages,
-                                                             last=self.num_stages - 1 in self.stages))
+                                                             last=self.num_stages - 1 in self.stages,
+                                                             dim=self.batch_dim))
             self._prepared.check_deferral()
             self._tuning.after_step()
             self._gradients.finish_step()
@@ -220,7 +227,7 @@ class Pipeline:
 
         Any batch size works: it is split into min(batch size, micro_batches) micro-batches, unevenly if
         need be; only the first stage's rank needs the inputs. The result has the structure the model
-        returns, each tensor leaf concatenated over the micro-batches along dim 0 (0-d tensors stacked);
+        returns, each tensor leaf concatenated over the micro-batches along ``batch_dim`` (0-d tensors stacked);
         non-tensor leaves must be equal across micro-batches. With ``broadcast_result=True`` every rank
         of the pipeline gets it (autoregressive decoding). Failures behave as in ``step``.
         """
@@ -228,10 +235,10 @@ class Pipeline:
         # for published failures first, as it might wait for nothing that a failed peer stops.
         with self.calls.call("forward", look_up_failures=not broadcast_result):
             split_inputs = (microbatch.split(microbatch.Batch(inputs, kwargs), self.micro_batches, "", self.device,
-                                             uneven=True) if 0 in self.stages else None)
+                                             uneven=True, dim=self.batch_dim) if 0 in self.stages else None)
             outputs = self._executor.infer(split_inputs)
             self._sharded.reshard()
-            result = microbatch.join(outputs) if outputs else None
+            result = microbatch.join(outputs, self.batch_dim) if outputs else None
             if broadcast_result and self.num_ranks > 1:
                 result = self._collectives.broadcast_result(result)
             return result

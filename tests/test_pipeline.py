@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -641,6 +642,41 @@ def test_a_loss_that_requires_no_grad_is_refused_and_a_one_element_loss_trains()
     torch.testing.assert_close(loss, ref_loss.detach())
     for param, ref in zip(module.parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, ref.grad)
+
+
+class _SequenceFirst(nn.Module):
+    """An LSTM on (time, batch, features) and a head on its outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+def test_sequence_first_batches_split_along_batch_dim_and_an_unsaid_one_warns():
+    """Split along dim 0, a (time, batch) batch is cut in time: each micro-batch an LSTM over part of the sequence,
+    silently another loss. batch_dim=1 splits it as one process accumulating over batch slices would."""
+    torch.manual_seed(0)
+    module = _SequenceFirst()
+    reference = copy.deepcopy(module)
+    with pytest.warns(UserWarning, match="stage 0 holds LSTM 'rnn' with batch_first=False"):
+        pipecomm.Pipeline(copy.deepcopy(module), stage=0, num_stages=1, micro_batches=2, loss_fn=nn.functional.mse_loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe = pipecomm.Pipeline(module, stage=0, num_stages=1, micro_batches=2, batch_dim=1,
+                                 loss_fn=nn.functional.mse_loss)
+    x, y = torch.randn(5, 6, 4), torch.randn(5, 6, 2)  # 5 steps of time, 6 sequences
+    loss = pipe.step(x, target=y)
+    ref_loss = sum(nn.functional.mse_loss(reference(a), b) / 2 for a, b in zip(x.chunk(2, 1), y.chunk(2, 1)))
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach())
+    for param, ref in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad)
+    torch.testing.assert_close(pipe.forward(x), reference(x))  # joined along batch_dim too
+    with pytest.raises(ValueError, match="batch_dim must be a dimension index >= 0, not -1"):
+        pipecomm.Pipeline(module, stage=0, num_stages=1, micro_batches=2, batch_dim=-1, loss_fn=nn.functional.mse_loss)
 
 
 class _DoublesItsInputInPlace(nn.Module):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -15,6 +17,34 @@ from pipecomm.schedules.schedule import SCHEDULES, Schedule, looped_placement, m
 from pipecomm.schedules.validation import validate
 
 __all__: list[str] = []
+
+
+def checked_batch_dim(batch_dim: int | None, modules: dict[int, nn.Module]) -> int:
+    """The dimension the batch is split along: ``batch_dim``, or 0 when unsaid, with a warning where a stage holds a
+    module that takes sequence-first tensors (its batch in dim 1), whose inputs split along dim 0 would be cut in time."""
+    if batch_dim is not None:
+        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0:
+            raise ValueError(f"Pipeline: batch_dim must be a dimension index >= 0, not {batch_dim!r}")
+        return batch_dim
+    for stage, module in sorted(modules.items()):
+        found = next(((name, inner) for name, inner in module.named_modules() if _sequence_first(inner)), None)
+        if found is not None:
+            name, inner = found
+            warnings.warn(f"Pipeline: stage {stage} holds {type(inner).__name__} {name!r} with batch_first=False, "
+                          "which takes sequence-first tensors; step splits every tensor of the inputs and targets "
+                          "along dim 0, which would cut sequence-first data in time. Pass batch_dim=1 for "
+                          "sequence-first data, or batch_dim=0 to say that the data is batch-first (the model "
+                          "transposes it)", stacklevel=3)
+            break
+    return 0
+
+
+def _sequence_first(module: nn.Module) -> bool:
+    if isinstance(module, (nn.RNNBase, nn.MultiheadAttention, nn.Transformer)):
+        return not module.batch_first
+    if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return not module.self_attn.batch_first
+    return False
 
 
 def check_configuration(modules, stages, num_stages, num_ranks, schedule) -> None:

@@ -1,4 +1,5 @@
-"""Splitting a batch (any pytree) into micro-batches along dim 0, and joining outputs back, with clear errors."""
+"""Splitting a batch (any pytree) into micro-batches along its batch dimension (dim 0 unless the Pipeline says another),
+and joining outputs back, with clear errors."""
 
 from __future__ import annotations
 
@@ -14,18 +15,19 @@ __all__ = ["Batch", "any_requires_grad", "batch_size", "join", "split", "split_s
 
 
 def split(batch: Any, micro_batches: int, what: str, device: torch.device | None = None, *,
-          uneven: bool = False) -> list:
-    """Splits every tensor leaf of ``batch`` into ``micro_batches`` chunks along dim 0: one ``batch``-shaped structure each.
+          uneven: bool = False, dim: int = 0) -> list:
+    """Splits every tensor leaf of ``batch`` into ``micro_batches`` chunks along ``dim``: one ``batch``-shaped structure
+    each.
 
     Non-tensor leaves (and None) are passed unchanged to every micro-batch. Every tensor leaf must
-    have the same size along dim 0, the batch size. For training it must be divisible by
+    have the same size along ``dim``, the batch size. For training it must be divisible by
     ``micro_batches``: an uneven split would weight micro-batches differently in the mean loss, so
     it is a ValueError rather than a silent difference from single-process training. With
     ``uneven=True`` (inference) any batch works: it makes min(batch size, ``micro_batches``) chunks
     whose sizes differ by at most one.
     """
     flat = boundary.flatten(batch)
-    size = batch_size(batch, what)
+    size = batch_size(batch, what, dim)
     if size is not None and not uneven and size % micro_batches:
         raise ValueError(f"{_name(batch, flat.tensors[0], what)} has batch size {size}, which is not divisible by "
                          f"micro_batches={micro_batches}")
@@ -35,37 +37,38 @@ def split(batch: Any, micro_batches: int, what: str, device: torch.device | None
         micro_batches = min(micro_batches, size)
     if device is not None:
         flat = flat._replace(tensors=[tensor.to(device, non_blocking=True) for tensor in flat.tensors])
-    chunks = [tensor.tensor_split(micro_batches, dim=0) for tensor in flat.tensors]
+    chunks = [tensor.tensor_split(micro_batches, dim=dim) for tensor in flat.tensors]
     return [boundary.unflatten([parts[index] for parts in chunks], flat.layout) for index in range(micro_batches)]
 
 
 def split_step(inputs: tuple, kwargs: dict, target: Any, micro_batches: int, device: torch.device, *, first: bool,
-               last: bool) -> tuple[list | None, list | None, int | None, int | None]:
+               last: bool, dim: int = 0) -> tuple[list | None, list | None, int | None, int | None]:
     """A training step's arguments split where this rank reads them: the first stage's inputs and keyword arguments,
     the last stage's targets (a tuple: several); and the batch size of each (None where not read)."""
     split_inputs = split_targets = batch = target_batch = None
     if first:
         if not inputs and not kwargs:
             raise ValueError("step: the first stage needs the batch inputs")
-        split_inputs, batch = _split_sized(Batch(inputs, kwargs), micro_batches, "", device)
+        split_inputs, batch = _split_sized(Batch(inputs, kwargs), micro_batches, "", device, dim)
     if last:
         if target is None:
             raise ValueError("step: the last stage needs target=")
         targets = target if isinstance(target, tuple) else (target,)
-        split_targets, target_batch = _split_sized(targets, micro_batches, "target", device)
+        split_targets, target_batch = _split_sized(targets, micro_batches, "target", device, dim)
     return split_inputs, split_targets, batch, target_batch
 
 
-def _split_sized(batch: Any, micro_batches: int, what: str, device: torch.device) -> tuple[list, int | None]:
+def _split_sized(batch: Any, micro_batches: int, what: str, device: torch.device,
+                 dim: int) -> tuple[list, int | None]:
     """A training batch's micro-batches and its batch size: at once for plain tensors, else through ``split``."""
-    plain = _split_plain(batch, micro_batches, device)
+    plain = _split_plain(batch, micro_batches, device, dim)
     if plain is not None:
         return plain
-    size = batch_size(batch, what)
-    return split(batch, micro_batches, what, device), size
+    size = batch_size(batch, what, dim)
+    return split(batch, micro_batches, what, device, dim=dim), size
 
 
-def _split_plain(batch: Any, micro_batches: int, device: torch.device) -> tuple[list, int] | None:
+def _split_plain(batch: Any, micro_batches: int, device: torch.device, dim: int) -> tuple[list, int] | None:
     """``split`` of the usual training batch, a ``Batch`` of tensor arguments or a tuple of tensor targets, without
     pytree passes (under half its time); None for anything else (other leaves, nesting, 0-d tensors, sizes that
     differ or do not divide), which ``split`` handles or names in its error."""
@@ -73,14 +76,14 @@ def _split_plain(batch: Any, micro_batches: int, device: torch.device) -> tuple[
     if parts is None:
         return None
     positional, keyword, tensors = parts
-    if any(tensor.dim() == 0 for tensor in tensors):
+    if any(tensor.dim() <= dim for tensor in tensors):
         return None
-    size = tensors[0].shape[0]
-    if size % micro_batches or any(tensor.shape[0] != size for tensor in tensors):
+    size = tensors[0].shape[dim]
+    if size % micro_batches or any(tensor.shape[dim] != size for tensor in tensors):
         return None
     if device is not None:
         tensors = [tensor.to(device, non_blocking=True) for tensor in tensors]
-    chunked = zip(*(tensor.tensor_split(micro_batches, dim=0) for tensor in tensors))
+    chunked = zip(*(tensor.tensor_split(micro_batches, dim=dim) for tensor in tensors))
     if keyword is None:
         return list(chunked), size
     count, keys = len(positional), list(keyword)
@@ -111,19 +114,23 @@ def any_requires_grad(batch: Any) -> bool:
     return any(tensor.requires_grad for tensor in tensors)
 
 
-def batch_size(batch: Any, what: str) -> int | None:
-    """The size along dim 0 that every tensor leaf of ``batch`` shares (None without tensors); a ValueError if they differ."""
+def batch_size(batch: Any, what: str, dim: int = 0) -> int | None:
+    """The size along ``dim`` that every tensor leaf of ``batch`` shares (None without tensors); a ValueError if they
+    differ."""
     size = first = None
     for tensor in boundary.flatten(batch).tensors:
         if tensor.dim() == 0:
-            raise ValueError(f"{_name(batch, tensor, what)} is a 0-d tensor; micro-batches are split along dim 0 (a "
-                             "Python number, such as int(tensor), goes to every micro-batch as it is)")
+            raise ValueError(f"{_name(batch, tensor, what)} is a 0-d tensor; micro-batches are split along dim {dim} "
+                             "(a Python number, such as int(tensor), goes to every micro-batch as it is)")
+        if tensor.dim() <= dim:
+            raise ValueError(f"{_name(batch, tensor, what)} has {tensor.dim()} dimensions; micro-batches are split "
+                             f"along dim {dim} (the Pipeline's batch_dim) of every tensor of the batch")
         if size is None:
-            size, first = tensor.shape[0], tensor
-        elif tensor.shape[0] != size:
-            raise ValueError(f"{_name(batch, tensor, what)} has batch size {tensor.shape[0]} but "
+            size, first = tensor.shape[dim], tensor
+        elif tensor.shape[dim] != size:
+            raise ValueError(f"{_name(batch, tensor, what)} has batch size {tensor.shape[dim]} but "
                              f"{_name(batch, first, what)} has {size}; every tensor of a batch is split into "
-                             "micro-batches along dim 0, so their sizes there must agree")
+                             f"micro-batches along dim {dim}, so their sizes there must agree")
     return size
 
 
@@ -140,8 +147,8 @@ def check_target_batch(batch_size: int | None, target_batch: int | None) -> None
         raise ValueError(f"step: target has batch size {target_batch} but the inputs have {batch_size}")
 
 
-def join(outputs: Sequence[Any]) -> Any:
-    """The micro-batches' output structures as one: tensor leaves concatenated along dim 0, 0-d ones stacked.
+def join(outputs: Sequence[Any], dim: int = 0) -> Any:
+    """The micro-batches' output structures as one: tensor leaves concatenated along ``dim``, 0-d ones stacked.
 
     Non-tensor leaves must be equal across micro-batches, and so must the structures.
     """
@@ -153,7 +160,7 @@ def join(outputs: Sequence[Any]) -> Any:
             raise ValueError(f"the output of micro-batch {micro_batch} does not match micro-batch 0's, so the "
                              f"micro-batches cannot be joined: {mismatch}")
     tensors = [
-        torch.cat(parts, dim=0) if parts[0].dim() else torch.stack(parts)
+        torch.cat(parts, dim=dim if parts[0].dim() > dim else 0) if parts[0].dim() else torch.stack(parts)
         for parts in zip(*(flat.tensors for flat in flats))
     ]
     return boundary.unflatten(tensors, layout)
