@@ -89,9 +89,18 @@ class GradientSink:
                 sources.append(grad)
             else:
                 target.add_(grad)
-        accumulate_(accumulators, sources)
+        try:
+            accumulate_(accumulators, sources)
+        except (RuntimeError, ValueError):
+            # A layout the fused kernel does not take (a channels_last parameter's gradient, a sparse one), which it
+            # finds before it adds anything: torch's add, which raises in turn for what is truly wrong.
+            for target, grad in zip(accumulators, sources):
+                target.add_(grad)
 
     def _start(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        if grad.is_sparse:  # an Embedding's with sparse=True: kept sparse, as autograd keeps it
+            param.grad = grad.clone()
+            return
         # A copy: autograd may hand back one tensor for several parameters, or an expanded view.
         if self.main_grad and param.dtype in _LOW_PRECISION:
             param.main_grad = grad.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
