@@ -327,6 +327,29 @@ def test_a_peer_hears_which_action_of_which_micro_batch_failed(tmp_path):
     assert "in the forward of stage 1, micro-batch 2, on pipeline rank 1: ArithmeticError: the loss" in text, text
 
 
+def calls_out_of_step(rank: int, world_size: int) -> str:
+    """Rank 0 evaluates alone (a forward), then both step: rank 1's step would read that forward's activations."""
+    pipe = make_pipe(rank, world_size)
+    x, y = data()
+    if rank == 0:
+        pipe.forward(x)
+    started = time.monotonic()
+    try:
+        pipe.step(x, target=y)
+    except (ValueError, failure.PeerFailedError) as error:
+        assert time.monotonic() - started < BOUND_SECONDS
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_ranks_whose_calls_differ_fail_at_the_first_activation_between_them(tmp_path):
+    """Before, rank 1's step trained on rank 0's inference activations and every later step was out of step, silently."""
+    results = run_ranks(2, calls_out_of_step, tmp_path, timeout=60)
+    message = "this rank is in step but stage 0 sent the activation of a forward: every rank of the pipeline must make"
+    assert results[1].startswith("ValueError: " + message), results[1]
+    assert results[0].startswith("PeerFailedError") and message in results[0], results[0]
+
+
 def overlapping_threads(rank: int, world_size: int) -> list:
     """Two Pipelines on one group, stepped from two threads: the overlapping call is refused on every rank, and the
     other Pipeline's losses stay exact."""

@@ -171,6 +171,7 @@ class _Header(NamedTuple):
     requires_grad: tuple[bool, ...]
     micro_batches: int
     batch_size: int | None
+    training: bool
 
 
 class Received(NamedTuple):
@@ -178,6 +179,7 @@ class Received(NamedTuple):
     tensors: list[torch.Tensor]  # the message's tensors, in order: the ones a gradient message answers
     micro_batches: int  # how many micro-batches the first stage split the batch into
     batch_size: int | None  # the whole batch's size on the first stage (None: not said)
+    training: bool  # sent by a step (not an inference)
 
 
 class StructureChannel:
@@ -198,12 +200,14 @@ class StructureChannel:
         self._sent: _Header | None = None
         self._received: _Header | None = None
 
-    def send(self, flat: Flat, micro_batches: int, batch_size: int | None = None) -> None:
-        """``batch_size`` (the whole batch's, as the first stage got it) lets the last stage check its targets."""
-        header = _Header(flat.layout, tuple(tensor.requires_grad for tensor in flat.tensors), micro_batches, batch_size)
+    def send(self, flat: Flat, micro_batches: int, batch_size: int | None = None, training: bool = True) -> None:
+        """``batch_size`` (the whole batch's, as the first stage got it) lets the last stage check its targets;
+        ``training`` (a step's, not an inference's) lets the next stage check that it makes the same call."""
+        header = _Header(flat.layout, tuple(tensor.requires_grad for tensor in flat.tensors), micro_batches, batch_size,
+                         training)
         marker = None
         if not _same_header(header, self._sent):
-            self.channel.send_note(serialize(header.layout, (header.requires_grad, micro_batches, batch_size),
+            self.channel.send_note(serialize(header.layout, (header.requires_grad, micro_batches, batch_size, training),
                                              "a stage's output"))
             marker = torch.empty(0, dtype=torch.uint8, device=self.device)
             self._sent = header
@@ -216,15 +220,16 @@ class StructureChannel:
     def recv(self) -> Received:
         marker, *tensors = self.channel.recv()
         if marker is not None:
-            layout, (requires_grad, micro_batches, batch_size) = deserialize(self.channel.recv_note())
-            self._received = _Header(layout, requires_grad, micro_batches, batch_size)
+            layout, (requires_grad, micro_batches, batch_size, training) = deserialize(self.channel.recv_note())
+            self._received = _Header(layout, requires_grad, micro_batches, batch_size, training)
         header = self._received
         if header is None:
             raise RuntimeError("pipecomm: the first message on a stage boundary came without its header")
         for tensor, requires_grad in zip(tensors, header.requires_grad):
             if requires_grad:
                 tensor.requires_grad_()
-        return Received(unflatten(tensors, header.layout), tensors, header.micro_batches, header.batch_size)
+        return Received(unflatten(tensors, header.layout), tensors, header.micro_batches, header.batch_size,
+                        header.training)
 
     def close(self) -> None:
         self.channel.close()
@@ -236,6 +241,7 @@ class StructureChannel:
 def _same_header(header: _Header, last: _Header | None) -> bool:
     return (last is not None and header.requires_grad == last.requires_grad
             and header.micro_batches == last.micro_batches and header.batch_size == last.batch_size
+            and header.training == last.training
             and layout_mismatch(header.layout, last.layout) is None)
 
 

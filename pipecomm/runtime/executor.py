@@ -186,7 +186,7 @@ class StageExecutor:
             self.offloader.start()
         self._loss: torch.Tensor | None = None
         self._backwards_done: dict[int, int] = dict.fromkeys(self.stages, 0)
-        self.transfers.start()
+        self.transfers.start(training=micro_batches is not None)
 
     # -- compute -------------------------------------------------------------------------------
 

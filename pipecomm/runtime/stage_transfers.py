@@ -30,13 +30,14 @@ class StageTransfers:
         self.run_ahead = os.environ.get("PIPECOMM_RUN_AHEAD") == "1"
         self._gradient_layouts: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> its gradient's layout key
 
-    def start(self) -> None:
+    def start(self, training: bool) -> None:
         self._gradient_layouts = {}
+        self._training = training
 
     def send_activation(self, stage: int, micro_batch: int, outputs: boundary.Flat, micro_batches: int,
                         batch_size: int | None = None) -> None:
         with self._naming(stage, micro_batch, "send", "activation", stage + 1):
-            self._channel(stage + 1, "act").send(outputs, micro_batches, batch_size)
+            self._channel(stage + 1, "act").send(outputs, micro_batches, batch_size, training=self._training)
         if not self.run_ahead:
             return
         # The gradient that comes back has an entry per tensor sent, of its shape and dtype where it required grad:
@@ -47,7 +48,15 @@ class StageTransfers:
 
     def recv_activation(self, stage: int, micro_batch: int) -> boundary.Received:
         with self._naming(stage, micro_batch, "recv", "activation", stage - 1):
-            return self._channel(stage - 1, "act").recv()
+            received = self._channel(stage - 1, "act").recv()
+            if received.training != self._training:
+                # Ranks whose calls differ (a forward on one rank alone, to evaluate) would go on out of step, each
+                # reading what another call sent: refused at the first activation that crosses.
+                calls = ("step", "forward") if self._training else ("forward", "step")
+                raise ValueError(f"this rank is in {calls[0]} but stage {stage - 1} sent the activation of a "
+                                 f"{calls[1]}: every rank of the pipeline must make the same Pipeline calls in the "
+                                 "same order (step, forward, clip_grad_norm_, trace)")
+            return received
 
     def send_gradient(self, stage: int, micro_batch: int, grads) -> None:
         with self._naming(stage, micro_batch, "send", "gradient", stage - 1):
