@@ -287,6 +287,27 @@ def test_deferred_weight_gradients_take_their_inputs_from_the_recomputation(reco
 # -- configuration -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("recompute", [True, lambda module: isinstance(module, nn.BatchNorm1d)],
+                         ids=["stage", "picked"])
+def test_recomputation_leaves_batch_norm_statistics_as_one_forward_does(recompute):
+    """The recomputation ran batch norm's forward again, in training: every micro-batch updated its running
+    statistics twice (24 batches tracked where one process has 12), and eval outputs and checkpoints differed."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+    reference = copy.deepcopy(module)
+    pipe = pipecomm.Pipeline(module, stage=0, num_stages=1, micro_batches=4, loss_fn=nn.functional.mse_loss,
+                             recompute=recompute)
+    for step in range(3):
+        x, y = torch.randn(16, 8), torch.randn(16, 8)
+        pipe.step(x, target=y)
+        for a, b in zip(x.chunk(4), y.chunk(4)):
+            (nn.functional.mse_loss(reference(a), b) / 4).backward()
+    for name, buffer in reference[1].named_buffers():
+        torch.testing.assert_close(module[1].get_buffer(name), buffer, rtol=0, atol=0, msg=name)
+    for param, ref in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad)
+
+
 @pytest.mark.parametrize("recompute", ["full", 1, None])
 def test_recompute_must_be_a_bool_or_a_callable(recompute):
     with pytest.raises(ValueError, match="recompute must be True, False or a callable"):

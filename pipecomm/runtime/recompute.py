@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
+import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -37,7 +39,7 @@ def checkpoint_stages(modules: list[nn.Module], recompute: bool | Callable[[nn.M
     originals = []
     for module in {id(module): module for module in picked}.values():
         originals.append((module, module.__dict__.get("forward", _MISSING)))
-        module.forward = _checkpointed(module.forward)
+        module.forward = _checkpointed(module.forward, module)
 
     def undo() -> None:
         for module, forward in originals:
@@ -74,7 +76,7 @@ def _outermost(modules: list[nn.Module], pick: Callable[[nn.Module], bool]) -> l
     return chosen
 
 
-def _checkpointed(forward: Callable) -> Callable:
+def _checkpointed(forward: Callable, module: nn.Module) -> Callable:
     def run(*args, **kwargs):
         # Every tensor goes in positionally, keyword ones included: checkpoint saves only its positional
         # arguments through autograd, where the pipeline sees what stays alive for the backward.
@@ -84,6 +86,23 @@ def _checkpointed(forward: Callable) -> Callable:
             args, kwargs = pytree.tree_unflatten(list(leaves), spec)
             return forward(*args, **kwargs)
 
-        return checkpoint(replay, *leaves, use_reentrant=False)
+        return checkpoint(replay, *leaves, use_reentrant=False,
+                          context_fn=lambda: (contextlib.nullcontext(), _recomputing(module)))
 
     return run
+
+
+@contextlib.contextmanager
+def _recomputing(module: nn.Module) -> Iterator[None]:
+    """The recomputation of ``module``'s forward, which must not update batch norms' running statistics a second
+    time: they are put back as the forward left them (one process updates them once per micro-batch; they are a few
+    numbers per channel). Other buffers a forward updates are updated again (docs/offload-recompute.md)."""
+    norms = [norm for norm in module.modules()
+             if isinstance(norm, nn.modules.batchnorm._BatchNorm) and norm.training and norm.track_running_stats]
+    kept = [(buffer, buffer.clone()) for norm in norms for buffer in norm.buffers(recurse=False)]
+    try:
+        yield
+    finally:  # also where checkpoint stops the recomputation early, by an exception, once it has what it needs
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
