@@ -644,6 +644,29 @@ def test_a_loss_that_requires_no_grad_is_refused_and_a_one_element_loss_trains()
         torch.testing.assert_close(param.grad, ref.grad)
 
 
+@pytest.mark.parametrize("layout", ["sparse", "channels_last"])
+def test_sparse_and_channels_last_gradients_accumulate_under_a_split_backward(layout):
+    """zb-h1 adds each micro-batch's returned gradients through the fused kernel, which takes dense contiguous ones
+    only: an Embedding's sparse gradient and a channels_last convolution's failed the step with the kernel's error."""
+    torch.manual_seed(0)
+    if layout == "sparse":
+        module = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 4))
+        x, y = torch.randint(0, 10, (4, 3)), torch.randn(4, 4)
+    else:
+        module = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 4)).to(memory_format=torch.channels_last)
+        x, y = torch.randn(4, 3, 6, 6).to(memory_format=torch.channels_last), torch.randn(4, 4)
+    reference = copy.deepcopy(module)
+    pipe = pipecomm.Pipeline(module, stage=0, num_stages=1, micro_batches=2, schedule="zb-h1",
+                             loss_fn=nn.functional.mse_loss)
+    for _ in range(2):  # the second step adds into the first's gradients
+        pipe.step(x, target=y)
+        for a, b in zip(x.chunk(2), y.chunk(2)):
+            (nn.functional.mse_loss(reference(a), b) / 2).backward()
+    for param, ref in zip(module.parameters(), reference.parameters()):
+        assert param.grad.is_sparse == ref.grad.is_sparse
+        torch.testing.assert_close(param.grad.to_dense(), ref.grad.to_dense())
+
+
 class _SequenceFirst(nn.Module):
     """An LSTM on (time, batch, features) and a head on its outputs."""
 
