@@ -20,12 +20,17 @@ def state_dict(modules: dict[int, nn.Module], rank: int) -> dict:
 
 
 def load_state_dict(modules: dict[int, nn.Module], state: dict, strict: bool, rank: int) -> None:
-    """Each stage takes its own keys from ``state``; with ``strict``, a key no stage has is a ValueError."""
-    expected = set()
-    for stage in sorted(modules):
-        keys = modules[stage].state_dict().keys()
-        expected.update(keys)
-        modules[stage].load_state_dict({k: state[k] for k in keys if k in state}, strict=strict)
-    unexpected = set(state) - expected
-    if strict and unexpected:
-        raise ValueError(f"load_state_dict: keys of no stage on rank {rank}: {sorted(unexpected)}")
+    """Each stage takes its own keys from ``state``; with ``strict``, a key no stage has, or one a stage misses, is a
+    ValueError raised before any stage loads (a checkpoint of the whole model, ``merge_checkpoints``', loads into a
+    stage with ``strict=False``)."""
+    keys = {stage: modules[stage].state_dict().keys() for stage in sorted(modules)}
+    if strict:
+        unexpected = set(state).difference(*keys.values())
+        missing = sorted(key for stage_keys in keys.values() for key in stage_keys if key not in state)
+        if unexpected or missing:
+            raise ValueError(f"load_state_dict: rank {rank}'s stages" + (f" have no keys {sorted(unexpected)}"
+                             if unexpected else "") + (" and" if unexpected and missing else "")
+                             + (f" miss keys {missing}" if missing else "") + "; nothing was loaded. A whole model's "
+                             "checkpoint (merge_checkpoints) loads into one stage with strict=False")
+    for stage, stage_keys in keys.items():
+        modules[stage].load_state_dict({k: state[k] for k in stage_keys if k in state}, strict=strict)
