@@ -97,6 +97,8 @@ class Cached(nn.Module):
     (lambda m: setattr(m.linear, "weight", nn.Parameter(m.linear.weight.detach().clone())),
      "parameters' memory"),
     (lambda m: m.to(torch.float64), "parameters' memory.*buffers' memory|parameters' memory"),
+    (lambda m: setattr(m, "linear", nn.Linear(4, 4)), "parameters' memory"),  # a submodule replaced
+    (lambda m: m.linear.add_module("extra", nn.Identity()), "parameters' memory"),  # the tree changed
     (lambda m: m.linear.weight.register_hook(lambda grad: grad * 2), "parameters' gradient hooks"),
     (lambda m: m.linear.bias.register_post_accumulate_grad_hook(print), "parameters' gradient hooks"),
     (lambda m: torch.set_float32_matmul_precision("high"), "kernel settings"),

@@ -26,8 +26,12 @@ class CaptureState:
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self._state = _state(module)
-        self._attributes = [(inner, name, value) for inner in module.modules()
+        # The module tree as the capture saw it, walked once: each check reads the parameters and buffers of these
+        # modules directly (torch's recursive parameters() took most of a check's time) and compares the tree itself,
+        # so a submodule added, removed or replaced shows as a changed parameter or buffer list.
+        self._modules = list(module.modules())
+        self._state = _state(self._modules)
+        self._attributes = [(inner, name, value) for inner in self._modules
                             for name, value in vars(inner).items() if _watched(value)]
 
     def changed(self) -> list[str]:
@@ -35,7 +39,7 @@ class CaptureState:
         frozen or unfrozen or given a gradient hook, a watched attribute set anew (``training``, a dropout's ``p``, a
         temperature, a cached tensor replaced), autocast or grad mode, a kernel setting. Cheap enough for every step: a few reads per
         parameter, buffer and attribute."""
-        changed = [name for name, old, new in zip(_PARTS, self._state, _state(self.module)) if old != new]
+        changed = [name for name, old, new in zip(_PARTS, self._state, _state(self._modules)) if old != new]
         # A stage cut by split: the values its captured code read (a config's), which the stage checks at each call.
         read = [text for hook in self.module._forward_pre_hooks.values() if hasattr(hook, "changed")
                 for text in hook.changed()]
@@ -44,11 +48,12 @@ class CaptureState:
                                  if not _same_value(inner.__dict__.get(name, _MISSING), value)]
 
 
-def _state(module: nn.Module) -> tuple:
-    params = list(module.parameters())
-    return (tuple(p.data_ptr() for p in params), tuple(p.requires_grad for p in params),
+def _state(modules: list[nn.Module]) -> tuple:
+    params = [p for inner in modules for p in inner._parameters.values() if p is not None]
+    tree = tuple(id(child) for inner in modules for child in inner._modules.values())
+    return ((tree, tuple(p.data_ptr() for p in params)), tuple(p.requires_grad for p in params),
             any(p._backward_hooks or p._post_accumulate_grad_hooks for p in params),  # a capture saw none
-            tuple(b.data_ptr() for b in module.buffers()),
+            (tree, tuple(b.data_ptr() for inner in modules for b in inner._buffers.values() if b is not None)),
             (torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")),
             _kernel_settings())
 
