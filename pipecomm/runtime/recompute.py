@@ -77,6 +77,8 @@ def _outermost(modules: list[nn.Module], pick: Callable[[nn.Module], bool]) -> l
 
 
 def _checkpointed(forward: Callable, module: nn.Module) -> Callable:
+    norms = [norm for norm in module.modules() if isinstance(norm, nn.modules.batchnorm._BatchNorm)]
+
     def run(*args, **kwargs):
         # Every tensor goes in positionally, keyword ones included: checkpoint saves only its positional
         # arguments through autograd, where the pipeline sees what stays alive for the backward.
@@ -86,20 +88,22 @@ def _checkpointed(forward: Callable, module: nn.Module) -> Callable:
             args, kwargs = pytree.tree_unflatten(list(leaves), spec)
             return forward(*args, **kwargs)
 
-        return checkpoint(replay, *leaves, use_reentrant=False,
-                          context_fn=lambda: (contextlib.nullcontext(), _recomputing(module)))
+        if any(norm.training and norm.track_running_stats for norm in norms) and not torch.compiler.is_compiling():
+            return checkpoint(replay, *leaves, use_reentrant=False,
+                              context_fn=lambda: (contextlib.nullcontext(), _recomputing(norms)))
+        # Without batch norms to restore, plain: torch.compile cannot trace a checkpoint given a context_fn.
+        return checkpoint(replay, *leaves, use_reentrant=False)
 
     return run
 
 
 @contextlib.contextmanager
-def _recomputing(module: nn.Module) -> Iterator[None]:
-    """The recomputation of ``module``'s forward, which must not update batch norms' running statistics a second
-    time: they are put back as the forward left them (one process updates them once per micro-batch; they are a few
-    numbers per channel). Other buffers a forward updates are updated again (docs/offload-recompute.md)."""
-    norms = [norm for norm in module.modules()
-             if isinstance(norm, nn.modules.batchnorm._BatchNorm) and norm.training and norm.track_running_stats]
-    kept = [(buffer, buffer.clone()) for norm in norms for buffer in norm.buffers(recurse=False)]
+def _recomputing(norms: list[nn.Module]) -> Iterator[None]:
+    """A recomputation, which must not update batch norms' running statistics a second time: ``norms``' buffers are
+    put back as the forward left them (one process updates them once per micro-batch; they are a few numbers per
+    channel). Other buffers a forward updates are updated again (docs/offload-recompute.md)."""
+    kept = [(buffer, buffer.clone()) for norm in norms if norm.training and norm.track_running_stats
+            for buffer in norm.buffers(recurse=False)]
     try:
         yield
     finally:  # also where checkpoint stops the recomputation early, by an exception, once it has what it needs
