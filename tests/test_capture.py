@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
+import logging
 import re
 
 import pytest
@@ -263,6 +265,36 @@ def test_values_the_captured_forward_read_are_checked_before_each_call(change, d
         stages[0](x)
     with raises(message):
         stages[1](torch.randn(3, 4))
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenSettings:
+    scale: float = 2.0
+
+
+class HoldsOddObjects(nn.Module):
+    """A frozen dataclass (which refuses every assignment, __class__ too), an enum member and a logger, held by the
+    module whose forward the capture records: split must take them as they are."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
+        self.settings, self.kind, self.log = FrozenSettings(), enum.Enum("Kind", "A").A, logging.getLogger("probe")
+
+    def forward(self, x):
+        return self.second(self.first(x) * self.settings.scale)
+
+
+def test_objects_that_refuse_a_recording_class_are_still_split_and_watched():
+    model = HoldsOddObjects()
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    assert type(model.settings) is FrozenSettings and type(model.log) is logging.Logger
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(chain(stages, x), model(x), rtol=0, atol=0)
+    object.__setattr__(model.settings, "scale", 3.0)
+    with raises("FrozenSettings (settings).scale: 2.0 at the capture, 3.0 now"):
+        stages[0](x)
 
 
 def test_a_model_with_its_own_forward_needs_example_inputs():

@@ -61,16 +61,16 @@ def recording_reads(modules: Sequence[tuple[str, nn.Module]]) -> Iterator[list[V
             if id(owner) in _RECORDING:
                 continue  # held twice (one config in every module)
             original = type(owner)
-            try:
-                owner.__class__ = _recording_class(original)
-            except TypeError:  # a layout that cannot take a subclass (slots): left unrecorded
+            try:  # past the owner's own __setattr__ (a frozen dataclass refuses every assignment)
+                object.__setattr__(owner, "__class__", _recording_class(original))
+            except Exception:  # noqa: BLE001 - a class that takes no subclass (an enum, slots): left unrecorded
                 continue
             swapped.append((owner, original))
             _RECORDING[id(owner)] = (path, reads, set())
         yield reads
     finally:
         for owner, original in swapped:
-            owner.__class__ = original
+            object.__setattr__(owner, "__class__", original)
             _RECORDING.pop(id(owner), None)
 
 
