@@ -205,7 +205,7 @@ class StageExecutor:
             raise RuntimeError("loss_fn returned a loss that does not require grad from an output that does, so no "
                                "gradient would reach any parameter (loss.backward() in one process raises here): "
                                "it detached the output or computed the loss under torch.no_grad()")
-        return loss.reshape(()) / self.schedule.micro_batches
+        return (loss if loss.dim() == 0 else loss.reshape(())) / self.schedule.micro_batches
 
     def _callers_tensors(self, stage: int, args: tuple, kwargs: dict, targets: tuple) -> list[torch.Tensor]:
         """The caller's tensors among a micro-batch's first-stage arguments and last-stage targets that require grad:
