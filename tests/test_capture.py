@@ -286,6 +286,33 @@ class HoldsOddObjects(nn.Module):
         return self.second(self.first(x) * self.settings.scale)
 
 
+class ReadsItsBlocks(nn.Module):
+    """A forward reading, outside its blocks, a block's training flag and a value the block holds: constants to the
+    capture too, though the blocks' own code reads them afresh at each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
+        self.first.scale = 1.0
+
+    def forward(self, x):
+        h = nn.functional.dropout(self.first(x) * self.first.scale, 0.5, self.second.training)
+        return self.second(h)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda m: m.eval(), "Linear (second).training: True at the capture, False now"),
+    (lambda m: setattr(m.first, "scale", 3.0), "Linear (first).scale: 1.0 at the capture, 3.0 now"),
+], ids=["flag", "value"])
+def test_values_the_captured_forward_read_from_its_blocks_are_checked(change, message):
+    model = ReadsItsBlocks()
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    change(model)
+    with raises(message):
+        stages[0](torch.randn(3, 4))
+
+
 def test_objects_that_refuse_a_recording_class_are_still_split_and_watched():
     model = HoldsOddObjects()
     stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))

@@ -69,7 +69,7 @@ def capture_split(
     """The requested stages of ``model``, cut from one capture of its forward."""
     stage_of = annotated_stages(model, num_stages)
     units = _units(model, stage_of)
-    with recording_reads(_glue_modules(model, units)) as reads:
+    with recording_reads(_glue_modules(model, units), [(unit, model.get_submodule(unit)) for unit in units]) as reads:
         exported = _export(model, example_args, example_kwargs, units, stack_traces=False)
     reads = mattering(reads, lambda: _export(model, example_args, example_kwargs, units, stack_traces=False)
                       .graph_module.code, exported.graph_module.code)

@@ -9,10 +9,12 @@ are called as the user's own objects and read their attributes at each call; onl
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 __all__: list[str] = []
 
@@ -42,20 +44,36 @@ def _shown(value: object) -> str:
     return "deleted" if value is _GONE else repr(value)
 
 
-# While a capture records: id(owner) -> (its path, where its reads go, the names already recorded).
+# While a capture records: id(owner) -> (its path, where its reads go, the names already recorded); and how many
+# calls of the modules that run whole on a stage are under way (their own code reads their attributes at every call).
 _RECORDING: dict[int, tuple[str, list[ValueRead], set[str]]] = {}
+_units_running = [0]
 
 
 @contextlib.contextmanager
-def recording_reads(modules: Sequence[tuple[str, nn.Module]]) -> Iterator[list[ValueRead]]:
-    """Within the block, every read of a plain value (bool, int, float, str, None, dtype) kept in the own attributes
-    of ``modules``, or of the plain objects they hold (a Hugging Face config), is recorded once per attribute, as the
-    value first read. Each owner's class is swapped for a subclass that records, and restored after."""
+def recording_reads(glue: Sequence[tuple[str, nn.Module]], units: Sequence[tuple[str, nn.Module]] = ()
+                    ) -> Iterator[list[ValueRead]]:
+    """Within the block, every read by the captured code of a plain value (bool, int, float, str, None, dtype) kept in
+    the own attributes of the ``glue`` modules or the ``units`` (the modules called whole), or of the plain objects
+    they hold (a Hugging Face config), is recorded once per attribute, as the value first read. Reads made inside a
+    unit's call, and torch's own, are not: those run again at every call. Each owner's class is swapped for a
+    subclass that records, and restored after."""
     reads: list[ValueRead] = []
     swapped: list[tuple[object, type]] = []
-    owners = [(path, module) for path, module in modules]
-    owners += [(f"{path}.{name}" if path else name, value) for path, module in modules
-               for name, value in vars(module).items() if _plain_object(value)]
+    modules = [*glue, *units]
+    owners = [*modules, *((f"{path}.{name}" if path else name, value) for path, module in modules
+                          for name, value in vars(module).items() if _plain_object(value))]
+    unit_ids = {id(unit) for _, unit in units}
+
+    def entering(module, args):
+        if id(module) in unit_ids:
+            _units_running[0] += 1
+
+    def leaving(module, args, output):
+        if id(module) in unit_ids:
+            _units_running[0] -= 1
+
+    hooks = [register_module_forward_pre_hook(entering), register_module_forward_hook(leaving, always_call=True)]
     try:
         for path, owner in owners:
             if id(owner) in _RECORDING:
@@ -69,6 +87,9 @@ def recording_reads(modules: Sequence[tuple[str, nn.Module]]) -> Iterator[list[V
             _RECORDING[id(owner)] = (path, reads, set())
         yield reads
     finally:
+        for hook in hooks:
+            hook.remove()
+        _units_running[0] = 0
         for owner, original in swapped:
             object.__setattr__(owner, "__class__", original)
             _RECORDING.pop(id(owner), None)
@@ -88,7 +109,8 @@ def _recording_class(original: type) -> type:
     if original not in _SUBCLASSES:
         def __getattribute__(self, name):  # noqa: N807 - the hook Python looks up by this name
             value = original.__getattribute__(self, name)
-            if type(value) in _PLAIN and id(self) in _RECORDING:
+            if (type(value) in _PLAIN and id(self) in _RECORDING and not _units_running[0]
+                    and not sys._getframe(1).f_globals.get("__name__", "").startswith("torch.")):
                 path, reads, seen = _RECORDING[id(self)]
                 if name not in seen and name in object.__getattribute__(self, "__dict__"):
                     seen.add(name)
