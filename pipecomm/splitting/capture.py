@@ -131,7 +131,9 @@ def _units(model: nn.Module, stage_of: dict[str, int | None]) -> list[str]:
 
 def _compiled_wrapper(module: nn.Module) -> bool:
     """A ``torch.compile(module)`` wrapper, whose forward is an instance attribute calling its ``_orig_mod``."""
-    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
+    from torch._dynamo.eval_frame import OptimizedModule  # as runtime/compiled_modules.py tells one
+
+    return isinstance(module, OptimizedModule)
 
 
 @contextlib.contextmanager
