@@ -24,23 +24,30 @@ def test_the_tree_starts_at_the_last_stage_and_follows_the_links(name, num_ranks
     assert broadcast_parents(schedule, schedule.stage_rank(schedule.num_stages - 1)) == parents
 
 
-def losses_and_results(rank: int, world_size: int) -> tuple[list[bytes], bytes]:
+def losses_and_results(rank: int, world_size: int, dtype: torch.dtype) -> tuple[list[bytes], bytes]:
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(world_size)))
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(world_size))).to(dtype)
     pipe = pipecomm.Pipeline(pipecomm.split(model, world_size, rank), stage=rank, num_stages=world_size,
                              loss_fn=nn.functional.mse_loss, micro_batches=4, timeout=60)
     generator = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(3):
-        x, y = torch.randn(8, 8, generator=generator), torch.randn(8, 8, generator=generator)
-        losses.append(pipe.step(x, target=y).numpy().tobytes())
+        x, y = (torch.randn(8, 8, generator=generator).to(dtype) for _ in range(2))
+        loss = pipe.step(x, target=y)
+        with torch.no_grad():  # one process: the mean of the micro-batches' losses, summed in their order
+            expected = sum(nn.functional.mse_loss(model(part), target) / 4
+                           for part, target in zip(x.chunk(4), y.chunk(4)))
+        assert loss.dtype == dtype and torch.equal(loss, expected), (loss, expected)
+        losses.append(loss.float().numpy().tobytes())
     with torch.no_grad():
         result = pipe.forward(x, broadcast_result=True)
         torch.testing.assert_close(result, model(x))
     pipe.close()
-    return losses, result.numpy().tobytes()
+    return losses, result.float().numpy().tobytes()
 
 
-def test_losses_and_results_are_the_last_stages_bit_for_bit_on_every_rank(tmp_path):
-    outcomes = run_ranks(3, losses_and_results, tmp_path)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_losses_and_results_are_the_last_stages_bit_for_bit_on_every_rank(tmp_path, dtype):
+    # The loss in its own dtype: a float64 model's is not rounded to float32 on the way.
+    outcomes = run_ranks(3, losses_and_results, tmp_path, dtype)
     assert all(outcome == outcomes[-1] for outcome in outcomes), outcomes

@@ -81,6 +81,10 @@ def _naming(what: str, doing: str) -> Iterator[None]:
         raise type(error)(f"{what}, {doing}: {error}") from error
 
 
+# What a loss may be, by its index on the wire.
+_LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 class PipelineCollectives:
     """Collectives over the pipeline group (None: the world) from pipeline rank ``rank``; ``last_rank`` holds the
     last stage. Tensors live on ``device`` on NCCL groups, on the CPU on gloo ones (``wire_device``). With ``links``
@@ -96,6 +100,7 @@ class PipelineCollectives:
         self.calls = calls
         self.timeout = timeout
         self._loss_wire: torch.Tensor | None = None
+        self._loss_dtype: torch.dtype | None = None
         on_links = links is not None and schedule is not None and device.type == "cpu" and schedule.num_ranks > 1
         self._tree = LinkTree(schedule, rank, last_rank, links) if on_links else None
 
@@ -106,16 +111,30 @@ class PipelineCollectives:
         return torch.device("cpu")
 
     def broadcast_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
-        """The last stage's loss (None elsewhere) on every rank, on ``device``."""
+        """The last stage's loss (None elsewhere) on every rank, on ``device``, in the loss's dtype. Its value travels
+        as float64, which holds every floating value exactly (a float64 model's loss is not rounded), its dtype
+        beside it. Reading the dtype back waits for the broadcast, which on a GPU would hold the host back every
+        step: there, ranks learn it at the first step, and a loss whose dtype changes later is refused."""
         if self._loss_wire is None:  # one buffer for every step's broadcast: see transport.keep_forever
-            self._loss_wire = torch.zeros((), dtype=torch.float32, device=self.wire_device())
+            self._loss_wire = torch.zeros(2, dtype=torch.float64, device=self.wire_device())
             keep_forever([self._loss_wire])
-        if loss is None:
-            self._loss_wire.zero_()
-        else:
-            self._loss_wire.copy_(loss)
+        if loss is not None:
+            if self._loss_dtype is not None and loss.dtype != self._loss_dtype and self._loss_wire.is_cuda:
+                raise TypeError(f"Pipeline rank {self.rank}: loss_fn returned a {loss.dtype} loss where the first "
+                                f"step's was {self._loss_dtype}; the other ranks return the loss in the first "
+                                "step's dtype (they do not wait for the GPU to learn it each step): keep the loss's "
+                                "dtype (e.g. .float()) or build a new Pipeline")
+            if loss.dtype not in _LOSS_DTYPES:
+                raise TypeError(f"Pipeline rank {self.rank}: loss_fn returned a {loss.dtype} loss; a loss is one of "
+                                f"{', '.join(str(dtype) for dtype in _LOSS_DTYPES)}")
+            self._loss_wire[0].copy_(loss.detach())
+            self._loss_wire[1].fill_(_LOSS_DTYPES.index(loss.dtype))
         self.broadcast(self._loss_wire, "the loss")
-        return self._loss_wire.to(self.device, copy=True)
+        if loss is not None:
+            self._loss_dtype = loss.dtype
+        elif self._loss_dtype is None or not self._loss_wire.is_cuda:
+            self._loss_dtype = _LOSS_DTYPES[int(self._loss_wire[1])]
+        return self._loss_wire[0].to(self.device, self._loss_dtype, copy=True)
 
     def broadcast_result(self, result):
         """The last stage's inference output on every rank: the length and bytes of its host description
