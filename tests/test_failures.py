@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import select
 import signal
@@ -221,6 +222,21 @@ def uncaught_exception(rank, world_size, clock):
     return pipe, user_code_fails
 
 
+def exit_between_steps(rank, world_size, clock):
+    """sys.exit outside a Pipeline call, which no excepthook sees: the interpreter's exit tells the peers."""
+    pipe = make_pipe(rank, world_size)
+    x, y = data()
+    if rank == 0:
+        return pipe, lambda: pipe.step(x, target=y)
+
+    def user_code_exits():
+        note_fault(clock)
+        atexit._run_exitfuncs()  # what sys.exit(3) runs on its way out, here where the harness would catch it
+        os._exit(3)
+
+    return pipe, user_code_exits
+
+
 def peer_killed(rank, world_size, clock, backend="auto"):
     loss = nn.functional.mse_loss
     if rank == world_size - 1:
@@ -283,6 +299,7 @@ CASES = {
     "peer in clip_grad_norm_": (clip_grad_norm, 2, (), "RuntimeError", "clip_grad_norm_ failed on rank 1"),
     "peer starting its next step": (next_step, 2, (), "RuntimeError", "failed after the loss broadcast"),
     "uncaught exception in user code": (uncaught_exception, 2, (), "KeyError", "the user's data loader failed"),
+    "sys.exit between steps": (exit_between_steps, 2, (1,), None, "exited with the Pipeline open, outside its calls"),
     "peer SIGKILLed (shm)": (peer_killed, 2, (1,), None, "died"),
     "peer SIGKILLed (dist)": (peer_killed_over_dist, 2, (1,), None, "died"),
     "store host SIGKILLed": (store_host_killed, 2, (0,), None, "died"),

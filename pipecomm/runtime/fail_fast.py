@@ -84,6 +84,15 @@ class CallProtocol:
         self.abort(reasons or own)  # the original cause first: the shm and IPC channels carry 240 bytes of it
         return explained
 
+    def exiting(self) -> None:
+        """The process exits with the Pipeline open, outside its calls (the program's end, or sys.exit, which no
+        excepthook sees): published before the links close, so that a peer still waiting on this rank says why
+        rather than only that the channel closed."""
+        if not (self.closed or self.failed):
+            self.notes.publish(self.global_rank, f"rank {self.global_rank} (pipeline rank {self.pipeline_rank}, "
+                                                 f"stages {self.stages}) exited with the Pipeline open, outside its "
+                                                 "calls (the program ended or called sys.exit)")
+
     def peer_failures(self) -> str:
         """What other ranks published, for a wait that wants to stop once one has failed."""
         return self.notes.reasons(self.global_rank)
@@ -160,6 +169,8 @@ def close_live_pipelines() -> None:
     """What the interpreter's exit does: every open Pipeline closed (its shared-memory files unlinked)."""
     for pipe in list(_live):
         with contextlib.suppress(Exception):
+            if _ran_on_several_ranks:
+                pipe.calls.exiting()
             pipe.close()
     if _ran_on_several_ranks:
         # A gloo worker thread drops its references to a finished collective's tensors after the collective
