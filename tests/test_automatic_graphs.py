@@ -3,6 +3,7 @@ against one eager process through short batches, frozen parameters, changed attr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -12,6 +13,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import pipecomm
 from pipecomm.runtime.checks import graph_mode
@@ -189,10 +191,14 @@ def _pipeline(module: nn.Module, **options) -> pipecomm.Pipeline:
 
 
 def _one_process(reference: nn.Module, x, y) -> tuple[torch.Tensor, list]:
-    losses = [nn.functional.mse_loss(reference(xs), ys) / 4 for xs, ys in zip(x.chunk(4), y.chunk(4))]
-    loss = sum(losses)
-    loss.backward()
-    return loss.detach(), [None if p.grad is None else p.grad.clone() for p in reference.parameters()]
+    """Gradient accumulation: a backward per micro-batch (under autocast, one backward of the summed losses would add
+    the micro-batches' gradients of a weight's cached bf16 cast in bf16)."""
+    loss = 0
+    for xs, ys in zip(x.chunk(4), y.chunk(4)):
+        micro_batch_loss = nn.functional.mse_loss(reference(xs), ys) / 4
+        micro_batch_loss.backward()
+        loss = loss + micro_batch_loss.detach()
+    return loss, [None if p.grad is None else p.grad.clone() for p in reference.parameters()]
 
 
 @pytest.fixture(autouse=True)
@@ -202,11 +208,11 @@ def _graphs_kept_whatever_the_trial_times(monkeypatch):
     monkeypatch.setattr(graph_runner, "_KEEP_BELOW", float("inf"))
 
 
-def _train(steps: int, before_step=None, batch=lambda step: 16, module=None,
-           data_grads=lambda step: False) -> tuple[pipecomm.Pipeline, list]:
+def _train(steps: int, before_step=None, batch=lambda step: 16, module=None, data_grads=lambda step: False,
+           around_step=lambda step: contextlib.nullcontext()) -> tuple[pipecomm.Pipeline, list]:
     """``steps`` SGD steps of the default Pipeline and of one eager process, each step's loss and gradients equal
-    (in the steps ``data_grads`` names, the input's and target's too, which require grad); returns the Pipeline and
-    its graph states after each step."""
+    (in the steps ``data_grads`` names, the input's and target's too, which require grad), each step of both inside
+    ``around_step(step)``; returns the Pipeline and its graph states after each step."""
     torch.manual_seed(0)
     module = (module or Scaled()).cuda()
     reference = copy.deepcopy(module)
@@ -220,8 +226,10 @@ def _train(steps: int, before_step=None, batch=lambda step: 16, module=None,
             before_step(step, reference)
         x, y = torch.randn(batch(step), 8, device="cuda"), torch.randn(batch(step), 8, device="cuda")
         ref_x, ref_y = x.clone().requires_grad_(data_grads(step)), y.clone().requires_grad_(data_grads(step))
-        loss = pipe.step(x.requires_grad_(data_grads(step)), target=y.requires_grad_(data_grads(step)))
-        ref_loss, ref_grads = _one_process(reference, ref_x, ref_y)
+        with around_step(step):
+            loss = pipe.step(x.requires_grad_(data_grads(step)), target=y.requires_grad_(data_grads(step)))
+        with around_step(step):
+            ref_loss, ref_grads = _one_process(reference, ref_x, ref_y)
         torch.testing.assert_close(loss, ref_loss, **TOLERANCE, msg=f"loss of step {step}")
         for data, ref in ((x, ref_x), (y, ref_y)) if data_grads(step) else ():
             torch.testing.assert_close(data.grad, ref.grad, **TOLERANCE, msg=f"the data's gradient, step {step}")
@@ -273,6 +281,31 @@ def test_a_change_the_graphs_cannot_see_drops_them_until_shapes_hold_again(chang
     _, states = _train(8, before_step=before_step)
     assert states == ["watching", "to capture", "replaying", "replaying", "watching", "to capture", "replaying",
                       "replaying"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("from_step", [0, 4])
+def test_replays_under_autocast_train_as_one_process_under_autocast(from_step):
+    """The user's autocast around the step: replays cast the weights each pass (autocast's cache, which would keep a
+    cast from before the optimizer's step, is off in the capture), and autocast turned on later drops the graphs."""
+    _, states = _train(8, around_step=lambda step: torch.autocast("cuda", dtype=torch.bfloat16,
+                                                                  enabled=step >= from_step))
+    assert states[-2:] == ["replaying", "replaying"]
+    assert from_step == 0 or states[4] == "watching", states
+
+
+class Checkpointed(Scaled):
+    """Recomputes its first layer in the backward (torch.utils.checkpoint, as Hugging Face's blocks do)."""
+
+    def forward(self, x):
+        hidden = checkpoint(self.first, x, use_reentrant=False)
+        return self.second(torch.tanh(hidden)) * self.scale
+
+
+@needs_cuda
+def test_checkpointed_layers_replay_as_one_process():
+    _, states = _train(5, module=Checkpointed())
+    assert states == ["watching", "to capture", "replaying", "replaying", "replaying"]
 
 
 class Branchy(Scaled):
