@@ -117,19 +117,23 @@ def data_times_pipeline(rank: int, world_size: int) -> str:
     context = pipecomm.init(pipeline_size=2, data_size=2)
     assert (context.num_stages, context.data_size) == (2, 2)
     model = build(2)
+    model.blocks[-1].idle = nn.Linear(HIDDEN, HIDDEN)  # no replica uses it: no gradient, so no weight decay either
     reference = copy.deepcopy(model)
     stage = pipecomm.split(model, 2, context.stage, example_inputs=tokens(0, 2)[:1])
     pipe = pipecomm.Pipeline(
         stage, stage=context.stage, num_stages=2, loss_fn=loss_fn, micro_batches=2,
         group=context.pipeline_group, data_group=context.data_group, timeout=60,
     )
-    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
     for step in range(3):
         inputs, targets = tokens(step, 8)  # the global batch; each replica trains on its half
         half = slice(4 * context.dp_rank, 4 * context.dp_rank + 4)
         pipe.step(inputs[half], target=targets[half])
         loss_fn(reference(inputs), targets).backward()
+        grads = {name: param.grad for name, param in stage.named_parameters()}
+        assert [name for name, grad in grads.items() if grad is None] == (["blocks.3.idle.weight", "blocks.3.idle.bias"]
+                                                                           if context.stage == 1 else []), grads
         optimizer.step()
         ref_optimizer.step()
         optimizer.zero_grad()

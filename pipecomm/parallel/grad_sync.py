@@ -72,7 +72,10 @@ class DataParallelGrads:
     FSDP reduces itself).
 
     A stage's all-reduce starts as soon as its last micro-batch's backward is done, so it overlaps
-    the rest of the pipeline's flush; ``finish`` waits for them at the end of the step.
+    the rest of the pipeline's flush; ``finish`` waits for them at the end of the step. A parameter no replica
+    used in the step (an idle expert, a head left out) keeps no gradient, as in one process, where an optimizer
+    then skips it: a replica without one joins the reduction with zeros, and the replicas' "used" flags, reduced
+    beside the gradients, say where every one went without.
     """
 
     def __init__(self, sinks: dict[int, GradientSink], group: dist.ProcessGroup, skip: set[int] = frozenset()):
@@ -89,6 +92,8 @@ class DataParallelGrads:
         self._late = list({id(p): (stage, p) for stage, own in params.items() for p in own
                            if len(holders[id(p)]) > 1}.values())
         self._in_flight: list[tuple[Collective, torch.Tensor]] = []
+        self._reduced: list[tuple[int, nn.Parameter, bool]] = []  # (stage, parameter, whether this replica used it)
+        self._all_used: torch.Tensor | None = None  # ones, for the steps where this replica used every parameter
 
     def start(self, stage: int) -> None:
         for param in self._own[stage]:
@@ -98,15 +103,37 @@ class DataParallelGrads:
         for stage, param in self._late:
             self._reduce(stage, param)
         in_flight, self._in_flight = self._in_flight, []
+        reduced, self._reduced = self._reduced, []
+        flags = [flag for _, _, flag in reduced]
+        used = self._used_flags(flags, reduced[0][1].device) if reduced else None
         for collective, _ in in_flight:
             wait(collective)
         grads = [grad for _, grad in in_flight]
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.size)
+        if used is not None:
+            wait(used)
+        if not all(flags):  # only a replica that went without some gradient reads the flags back (a wait for the GPU)
+            for (stage, param, _), anywhere in zip(reduced, used.tensors[0].tolist()):
+                if not anywhere and not self.sinks[stage].main_grad:
+                    param.grad = None
+
+    def _used_flags(self, flags: list[bool], device: torch.device) -> Collective:
+        """Starts the MAX all-reduce of which parameters each replica used. Where this one used them all, its
+        all-ones tensor stays all ones under MAX: it is kept for the next steps."""
+        if all(flags):
+            if self._all_used is None or self._all_used.numel() != len(flags) or self._all_used.device != device:
+                self._all_used = torch.ones(len(flags), dtype=torch.uint8, device=device)
+            tensor = self._all_used
+        else:
+            tensor = torch.tensor(flags, dtype=torch.uint8).to(device)
+        return Collective(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+                          [tensor], self.group, "the data-parallel all-reduce of which parameters got gradients")
 
     def _reduce(self, stage: int, param: nn.Parameter) -> None:
         if not param.requires_grad:
             return  # frozen: no gradient, on every replica alike
+        self._reduced.append((stage, param, self.sinks[stage].target(param) is not None))
         grad = local_shard(_grad_or_zeros(self.sinks[stage], param))
         collective = Collective(lambda: dist.all_reduce(grad, group=self.group, async_op=True), [grad], self.group,
                                 f"the data-parallel all-reduce of stage {stage}'s gradients")
