@@ -170,7 +170,8 @@ class Pipeline:
                                       modules, auto=auto, refit=refit, offload=offload, device_timing=device_timing)
             shared = (SharedParameters(self.modules, lambda s: global_rank(group, starting.stage_rank(s)))
                       if dist.is_initialized() else None)
-            self._gradients = GradientFinalizer(self._prepared.sinks, sharded, data_group, shared, self._collectives)
+            self._gradients = GradientFinalizer(self.modules, self._prepared.sinks, sharded, data_group, shared,
+                                                self._collectives)
         fail_fast.track(self, several_ranks=self.num_ranks > 1)
 
     schedule = property(lambda self: self._executor.schedule,
@@ -210,6 +211,7 @@ class Pipeline:
             self._prepared.check_parameters()
             self._tuning.before_step()
             self._sharded.gather_ahead()
+            self._gradients.start_step()
             loss = self._executor.run(*microbatch.split_step(inputs, kwargs, target, self.micro_batches, self.device,
                                                              first=0 in self.stages,
                                                              last=self.num_stages - 1 in self.stages,

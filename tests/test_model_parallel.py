@@ -113,6 +113,27 @@ def test_tied_embedding_and_head_match_the_single_model(tmp_path, world_size, sc
     run_ranks(world_size, tied_weights, tmp_path, schedule, timeout=120)
 
 
+def tied_weight_renormalized(rank: int, world_size: int, schedule: str) -> str:
+    num_stages = 2 * world_size if schedule == "zb-v" else world_size
+    mine = list(pipecomm.make_schedule(schedule, world_size, 4).stages_of(rank)) if schedule == "zb-v" else [rank]
+    model = build(num_stages)
+    model.embed.max_norm = 1.0  # renormalizes the rows it looks up, in place, in every forward
+    stages = pipecomm.split(model, num_stages, mine, example_inputs=tokens(0, 2)[:1])
+    pipe = pipecomm.Pipeline(stages, stage=mine, num_stages=num_stages, loss_fn=loss_fn, micro_batches=4,
+                             schedule=schedule, timeout=60)
+    with pytest.raises(RuntimeError) as raised:
+        pipe.step(*tokens(0, 8)[:1], target=tokens(0, 8)[1])
+    return str(raised.value)
+
+
+@pytest.mark.parametrize(("world_size", "schedule"), [(2, "1f1b"), (2, "zb-v")])
+def test_a_tied_weight_changed_in_place_by_the_forward_is_refused(tmp_path, world_size, schedule):
+    # One process renormalizes each micro-batch's rows before the head reads them; the pipeline runs the embedding's
+    # forwards ahead of the head's, and under 1f1b the head's rank holds a copy the renormalization never reaches.
+    for text in run_ranks(world_size, tied_weight_renormalized, tmp_path, schedule, timeout=120):
+        assert "the parameter 'embed.weight', which several stages use, was changed in place during the step" in text
+
+
 def data_times_pipeline(rank: int, world_size: int) -> str:
     context = pipecomm.init(pipeline_size=2, data_size=2)
     assert (context.num_stages, context.data_size) == (2, 2)

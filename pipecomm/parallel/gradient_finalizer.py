@@ -20,10 +20,12 @@ __all__: list[str] = []
 class GradientFinalizer:
     """The gradients of this rank's stages (``sinks``), averaged over ``data_group``'s replicas (FSDP's
     reduce-scatter for the sharded parameters, an all-reduce for the rest) and summed over the holders of a
-    shared parameter (``shared``, whose values it also makes equal at the start)."""
+    shared parameter (``shared``, whose values it also makes equal at the start); a step that changed a parameter of
+    several of ``modules`` in place is refused."""
 
-    def __init__(self, sinks: dict[int, GradientSink], sharded: ShardedStages, data_group: dist.ProcessGroup | None,
-                 shared: SharedParameters | None, collectives: PipelineCollectives):
+    def __init__(self, modules: dict[int, nn.Module], sinks: dict[int, GradientSink], sharded: ShardedStages,
+                 data_group: dist.ProcessGroup | None, shared: SharedParameters | None,
+                 collectives: PipelineCollectives):
         self.sinks = sinks
         self.sharded = sharded
         self.shared = shared
@@ -36,6 +38,10 @@ class GradientFinalizer:
                 raise ValueError("Pipeline: a parameter shared between stages (a tied embedding and head) is "
                                  "sharded by fully_shard; keep it out of fully_shard (shard the blocks)")
             shared.synchronize_values(collectives.wait)
+        self._shared_in_place = SharedInPlace(modules)
+
+    def start_step(self) -> None:
+        self._shared_in_place.start_step()
 
     def stage_done(self, stage: int) -> None:
         """A stage's last backward of the step is done: its gradients go to their reductions over the replicas."""
@@ -45,6 +51,7 @@ class GradientFinalizer:
 
     def finish_step(self) -> None:
         """Waits for the replicas' reductions; sums the shared parameters' gradients over their holders."""
+        self._shared_in_place.check()
         if self.data_parallel:
             self.data_parallel.finish(self.collectives.wait)
         if self.shared:
@@ -71,3 +78,37 @@ class GradientFinalizer:
 
     def _sink_of(self, param: nn.Parameter) -> GradientSink:
         return next(sink for sink in self.sinks.values() if any(p is param for p in sink.params))
+
+
+class SharedInPlace:
+    """Refuses a step that changed a parameter of several stages in place (``nn.Embedding(max_norm=...)`` renormalizes
+    the rows it looks up, in its forward): one process runs each micro-batch through every stage in turn, the pipeline
+    runs a stage's forwards in another order, and ranks holding the parameter each hold a copy, so the result would
+    differ from one process, silently. Reads each such parameter's version counter before and after the step."""
+
+    def __init__(self, modules: dict[int, nn.Module]):
+        stages_of: dict[int, set[int]] = {}
+        for stage, module in modules.items():
+            for param in module.parameters():
+                stages_of.setdefault(id(param), set()).add(stage)
+        named: dict[int, tuple[str, nn.Parameter]] = {}
+        for module in modules.values():
+            across_ranks = getattr(module, "shared_parameters", {})  # split's: the stages that use each
+            for name, param in module.named_parameters(remove_duplicate=False):
+                if name in across_ranks or len(stages_of[id(param)]) > 1:
+                    named.setdefault(id(param), (name, param))
+        self._watched = list(named.values())
+        self._versions: list[int] = []
+
+    def start_step(self) -> None:
+        self._versions = [param._version for _, param in self._watched]
+
+    def check(self) -> None:
+        for (name, param), version in zip(self._watched, self._versions):
+            if param._version != version:
+                raise RuntimeError(
+                    f"Pipeline: the parameter {name!r}, which several stages use, was changed in place during the "
+                    "step (as nn.Embedding(max_norm=...) renormalizes the rows it looks up): its stages run their "
+                    "forwards in another order than one process, and each rank that holds it keeps a copy, so the "
+                    "result would differ from one process; renormalize outside the forward (after the optimizer's "
+                    "step) or untie the parameter")
