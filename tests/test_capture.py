@@ -80,6 +80,29 @@ def test_checkpoints_of_captured_stages_load_strictly_into_a_fresh_model():
     torch.testing.assert_close(fresh(inputs).logits, model(inputs).logits)
 
 
+def test_a_deep_copy_of_a_captured_stage_is_a_stage_with_its_own_parameters():
+    # What AveragedModel, an EMA or a teacher model does to the stage a rank holds.
+    model = ReadsItsOwnValues(dropout=True)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    copies = [copy.deepcopy(stage) for stage in stages]
+    for stage, copied in zip(stages, copies):
+        assert isinstance(copied, CapturedStage) and type(copied).__name__ == type(stage).__name__
+        for name in ("stage_index", "num_stages", "layer_names", "shared_parameters", "boundary_names"):
+            assert getattr(copied, name) == getattr(stage, name), name
+        for param, copied_param in zip(stage.parameters(), copied.parameters(), strict=True):
+            assert copied_param is not param and torch.equal(copied_param, param)
+    x = torch.randn(3, 4)
+    torch.manual_seed(0)
+    expected = chain(stages, x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(chain(copies, x), expected, rtol=0, atol=0)
+    averaged = torch.optim.swa_utils.AveragedModel(stages[1])
+    assert averaged(torch.randn(3, 4)).shape == (3, 4)
+    model.eval()  # the capture's checks come along: the copy refuses a value changed since, as the stage does
+    with raises("ReadsItsOwnValues.training: True at the capture, False now"):
+        copies[0](x)
+
+
 def test_functional_ops_between_children_are_kept_where_the_data_flow_puts_them():
     model = ResidualCNN()
     model.stem.pipeline_stage = model.conv1.pipeline_stage = 0

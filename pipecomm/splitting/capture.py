@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import inspect
 import operator
 from collections.abc import Iterator, Sequence
@@ -56,6 +57,25 @@ class CapturedStage(torch.fx.GraphModule):
 
     def original_names(self) -> dict[str, str]:
         return {key: key for key in self.state_dict()}
+
+    def __deepcopy__(self, memo: dict) -> CapturedStage:
+        """A copy (an EMA or teacher model, AveragedModel) that is a stage as this one is. torch's GraphModule copy
+        would fail on the fake tensors in the nodes' metadata (shared here: the copy's graph is the same), and drops
+        the stage's attributes and the capture's checks (its forward pre-hooks, which read the original model)."""
+        checks = [hook for hook in self._forward_pre_hooks.values() if isinstance(hook, (_ArgumentCheck, ReadValuesCheck))]
+        for node in self.graph.nodes:
+            for value in pytree.tree_leaves([node.meta.get("val"), node.meta.get("example_value")]):
+                if isinstance(value, torch.Tensor):
+                    memo[id(value)] = value
+        for shared in [*checks, getattr(self, "shape_env", None)]:
+            memo[id(shared)] = shared
+        copied = super().__deepcopy__(memo)
+        copied.__class__.__name__ = type(self).__name__
+        for name in ("stage_index", "num_stages", "layer_names", "shared_parameters", "boundary_names"):
+            setattr(copied, name, copy.deepcopy(getattr(self, name), memo))
+        for hook in checks:
+            copied.register_forward_pre_hook(hook, with_kwargs=True)
+        return copied
 
 
 def capture_split(
