@@ -290,6 +290,46 @@ def test_values_the_captured_forward_read_are_checked_before_each_call(change, d
         stages[1](torch.randn(3, 4))
 
 
+def test_a_stages_eval_is_the_models_eval_to_the_check():
+    # stage.eval() turned off the stage's own modules' dropout, but the capture's F.dropout(h, 0.5, self.training) in
+    # the model's forward kept running: the outputs differed from one process's eval by chance, silently.
+    model = ReadsItsOwnValues(dropout=True)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    stages[0].eval()
+    with raises("ReadsItsOwnValues.training: True at the capture, False now"):
+        stages[0](torch.randn(3, 4))
+    stages[0].train()
+    chain(stages, torch.randn(3, 4))
+
+
+class SetsItsDefault(nn.Module):
+    """Writes a setting it reads at its first call, as a Hugging Face classifier sets config.problem_type."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
+        self.settings = Settings()
+        self.settings.kind = None
+
+    def forward(self, x):
+        if self.settings.kind is None:
+            self.settings.kind = "tanh"
+        h = self.first(x)
+        return self.second(torch.tanh(h) if self.settings.kind == "tanh" else h)
+
+
+def test_a_value_the_forward_writes_at_its_first_call_is_captured_as_it_leaves_it():
+    model = SetsItsDefault()
+    reference = copy.deepcopy(model)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(chain(stages, x), reference(x), rtol=0, atol=0)
+    model.settings.kind = "linear"  # a change after the capture is still refused
+    with raises("Settings (settings).kind: 'tanh' at the capture, 'linear' now"):
+        stages[0](x)
+
+
 @dataclasses.dataclass(frozen=True)
 class FrozenSettings:
     scale: float = 2.0

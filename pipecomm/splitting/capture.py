@@ -58,6 +58,16 @@ class CapturedStage(torch.fx.GraphModule):
     def original_names(self) -> dict[str, str]:
         return {key: key for key in self.state_dict()}
 
+    def train(self, mode: bool = True) -> CapturedStage:
+        """Also sets the training flags of the model's own modules that the captured code outside the stage's
+        modules read (``F.dropout(h, p, self.training)`` in a Hugging Face model's forward): ``stage.eval()`` is
+        then ``model.eval()`` to the capture's check, rather than a dropout left running."""
+        super().train(mode)
+        for hook in self._forward_pre_hooks.values():
+            if isinstance(hook, ReadValuesCheck):
+                hook.set_training(mode)
+        return self
+
     def __deepcopy__(self, memo: dict) -> CapturedStage:
         """A copy (an EMA or teacher model, AveragedModel) that is a stage as this one is. torch's GraphModule copy
         would fail on the fake tensors in the nodes' metadata (shared here: the copy's graph is the same), and drops
@@ -91,6 +101,11 @@ def capture_split(
     units = _units(model, stage_of)
     with recording_reads(_glue_modules(model, units), [(unit, model.get_submodule(unit)) for unit in units]) as reads:
         exported = _export(model, example_args, example_kwargs, units, stack_traces=False)
+    if any(read.changed() for read in reads):
+        # The forward wrote a value it read (a Hugging Face classifier sets config.problem_type at its first call):
+        # captured again from the state it left, which its next calls start from.
+        with recording_reads(_glue_modules(model, units), [(unit, model.get_submodule(unit)) for unit in units]) as reads:
+            exported = _export(model, example_args, example_kwargs, units, stack_traces=False)
     reads = mattering(reads, lambda: _export(model, example_args, example_kwargs, units, stack_traces=False)
                       .graph_module.code, exported.graph_module.code)
     graph = _outline_units(exported, set(units))

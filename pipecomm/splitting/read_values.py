@@ -32,6 +32,9 @@ class ValueRead:
     def now(self) -> object:
         return self._attributes.get(self.name, _GONE)
 
+    def changed(self) -> bool:
+        return not _same(self.now(), self.value)
+
     def describe(self) -> str:
         where = f"{type(self.owner).__name__}" + (f" ({self.path})" if self.path else "")
         return f"{where}.{self.name}: {self.value!r} at the capture, {_shown(self.now())} now"
@@ -160,7 +163,14 @@ class ReadValuesCheck:
 
     def changed(self) -> list[str]:
         """The values read that have changed since the capture, described."""
-        return [read.describe() for read in self.reads if not _same(read.now(), read.value)]
+        return [read.describe() for read in self.reads if read.changed()]
+
+    def set_training(self, mode: bool) -> None:
+        """A stage's ``train(mode)``: the training flags the capture read (the model's own modules outside the stage,
+        as ``model.train(mode)`` would set them), so that a flip the capture depends on is refused, not ignored."""
+        for read in self.reads:
+            if read.name == "training" and isinstance(read.owner, nn.Module):
+                read.owner.training = mode
 
     def __call__(self, module, args, kwargs):
         changed = self.changed()
