@@ -134,6 +134,7 @@ class Pipeline:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.stages = sorted(stages)
         # First, so that a failure while building is published and peers waiting to connect stop at once.
+        fail_fast.install()
         self.calls = fail_fast.CallProtocol(self.rank, global_rank(group, self.rank), self.stages, self._abort)
         self._links = NeighbourLinks()
         self._prepared: PreparedStages | None = None

@@ -222,6 +222,24 @@ def uncaught_exception(rank, world_size, clock):
     return pipe, user_code_fails
 
 
+def fails_before_building(rank, world_size, clock):
+    """Rank 1's program fails after pipecomm.init, before its Pipeline (a checkpoint shard missing): rank 0, building
+    its Pipeline, waits for rank 1 to connect and stops at once."""
+    pipecomm.init()
+    if rank == 0:
+        return None, lambda: make_pipe(rank, world_size)
+
+    def user_code_fails():
+        try:
+            note_fault(clock)
+            raise FileNotFoundError("rank 1's checkpoint shard is missing")
+        except FileNotFoundError:
+            sys.excepthook(*sys.exc_info())
+            raise
+
+    return None, user_code_fails
+
+
 def exit_between_steps(rank, world_size, clock):
     """sys.exit outside a Pipeline call, which no excepthook sees: the interpreter's exit tells the peers."""
     pipe = make_pipe(rank, world_size)
@@ -299,6 +317,8 @@ CASES = {
     "peer in clip_grad_norm_": (clip_grad_norm, 2, (), "RuntimeError", "clip_grad_norm_ failed on rank 1"),
     "peer starting its next step": (next_step, 2, (), "RuntimeError", "failed after the loss broadcast"),
     "uncaught exception in user code": (uncaught_exception, 2, (), "KeyError", "the user's data loader failed"),
+    "a peer fails before building its Pipeline": (fails_before_building, 2, (), "FileNotFoundError",
+                                                  "checkpoint shard is missing"),
     "sys.exit between steps": (exit_between_steps, 2, (1,), None, "exited with the Pipeline open, outside its calls"),
     "peer SIGKILLed (shm)": (peer_killed, 2, (1,), None, "died"),
     "peer SIGKILLed (dist)": (peer_killed_over_dist, 2, (1,), None, "died"),

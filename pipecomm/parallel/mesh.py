@@ -69,6 +69,9 @@ def init(pipeline_size: int | None = None, data_size: int = 1, tensor_size: int 
     mesh = init_device_mesh(device.type, (data_size, pipeline_size, tensor_size), mesh_dim_names=("dp", "pp", "tp"))
     global _mesh
     _mesh = mesh
+    from pipecomm.runtime import fail_fast  # runtime imports this module
+
+    fail_fast.install()  # after torch's own excepthook: a rank that fails before its first Pipeline tells the peers
     return ParallelContext(
         rank=rank,
         world_size=world_size,

@@ -11,7 +11,9 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from pipecomm.runtime.failure import Collective, FailureNotes, PeerFailedError, describe
+import torch.distributed as dist
+
+from pipecomm.runtime.failure import Collective, FailureNotes, PeerFailedError, describe, next_pipeline_notes
 from pipecomm.transport.channel import ChannelError
 
 __all__: list[str] = []
@@ -74,14 +76,15 @@ class CallProtocol:
         reasons = self.notes.reasons(self.global_rank) if symptom else ""
         explained = error
         if reasons and not isinstance(error, PeerFailedError):
-            explained = PeerFailedError(f"{error} ({reasons})")
+            # A channel's error may already hold the reason (a peer's abort carries it): said once.
+            explained = PeerFailedError(str(error) if reasons in str(error) else f"{error} ({reasons})")
         own = (f"rank {self.global_rank} (pipeline rank {self.pipeline_rank}, stages {self.stages}) failed in "
                f"{action}: {describe(error)}")
         if not reasons:
             self.notes.publish(self.global_rank, own)
         self.failed = describe(explained, limit=500)
         self.closed = True
-        self.abort(reasons or own)  # the original cause first: the shm and IPC channels carry 240 bytes of it
+        self.abort(_shortened(reasons or own))  # the original cause first: the shm and IPC channels carry 240 bytes
         return explained
 
     def exiting(self) -> None:
@@ -107,6 +110,14 @@ class CallProtocol:
                                f"closed it ({self.failed}); build a new Pipeline")
         if self.closed:
             raise RuntimeError(f"Pipeline rank {self.pipeline_rank}: cannot {action}: it was closed")
+
+
+def _shortened(text: str, limit: int = 240) -> str:
+    """``text`` in at most ``limit`` UTF-8 bytes, cut at a word ("...") rather than inside one; the store holds it all."""
+    if len(text.encode()) <= limit:
+        return text
+    cut = text.encode()[: limit - 3].decode(errors="ignore")
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + "..."
 
 
 class _CallGuard:
@@ -149,11 +160,17 @@ _ran_on_several_ranks = False  # set by the first Pipeline of several ranks
 
 
 def track(pipeline: Closable, several_ranks: bool) -> None:
-    """``pipeline`` is open: closed when the interpreter exits, failed by an uncaught exception. The first one
-    installs the exit handler and the excepthook."""
-    global _installed, _ran_on_several_ranks, _previous_excepthook
+    """``pipeline`` is open: closed when the interpreter exits, failed by an uncaught exception."""
+    global _ran_on_several_ranks
     _live.add(pipeline)
     _ran_on_several_ranks = _ran_on_several_ranks or several_ranks
+    install()
+
+
+def install() -> None:
+    """The exit handler and the excepthook, once per process (``pipecomm.init`` and every Pipeline call it): they
+    fail the open Pipelines, and tell peers building this rank's next Pipeline that it will not come."""
+    global _installed, _previous_excepthook
     if not _installed:
         _installed = True
         atexit.register(close_live_pipelines)
@@ -172,6 +189,7 @@ def close_live_pipelines() -> None:
             if _ran_on_several_ranks:
                 pipe.calls.exiting()
             pipe.close()
+    _tell_next_pipeline("exited before building it (the program ended or called sys.exit)")
     if _ran_on_several_ranks:
         # A gloo worker thread drops its references to a finished collective's tensors after the collective
         # completes; dropping the last one needs the GIL, and a worker that asks for it once the interpreter is
@@ -189,4 +207,19 @@ def _fail_live_pipelines(exc_type, exc_value, traceback) -> None:
     for pipe in list(_live):
         with contextlib.suppress(BaseException):
             pipe.calls.fail("the program (uncaught exception)", exc_value)
+    _tell_next_pipeline(f"failed in the program before building it (uncaught exception): {describe(exc_value)}")
     _previous_excepthook(exc_type, exc_value, traceback)
+
+
+def _tell_next_pipeline(what: str) -> None:
+    """Peers building this rank's next Pipeline wait for it to connect: they stop at once, naming why it will not
+    (the first reason only: an uncaught exception's, not the exit that follows it)."""
+    if _told_next[0] or not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    _told_next[0] = True
+    with contextlib.suppress(Exception):
+        rank = dist.get_rank()
+        next_pipeline_notes().publish(rank, f"rank {rank} {what}")
+
+
+_told_next = [False]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -16,8 +15,9 @@ from pipecomm.transport.lifetime import keep_forever
 
 __all__ = ["PeerFailedError"]
 
-# Every rank builds its Pipelines in the same order, so the n-th one has the same number everywhere.
-_pipeline_numbers = itertools.count()
+# Every rank builds its Pipelines in the same order, so the n-th one has the same number everywhere: how many this
+# process has begun to build.
+_pipelines_begun = [0]
 
 # How often a rank waiting in a collective looks for failures published by other ranks.
 POLL_SECONDS = 0.1
@@ -36,8 +36,12 @@ class FailureNotes:
     store may be gone (its host process died): then nothing is published or found, and nothing raises.
     """
 
-    def __init__(self):
-        self.prefix = f"pipecomm/pipeline/{next(_pipeline_numbers)}"
+    def __init__(self, number: int | None = None):
+        """The notes of a new Pipeline, or with ``number``, of the Pipeline of that number."""
+        if number is None:
+            number = _pipelines_begun[0]
+            _pipelines_begun[0] += 1
+        self.prefix = f"pipecomm/pipeline/{number}"
         self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
 
@@ -73,6 +77,12 @@ class FailureNotes:
         except Exception:  # noqa: BLE001 - report what could be read
             pass
         return "; ".join(found)
+
+
+def next_pipeline_notes() -> FailureNotes:
+    """The notes of the Pipeline this process would build next, which its peers may be building (and waiting in for
+    this rank) now."""
+    return FailureNotes(_pipelines_begun[0])
 
 
 # Leads the notes pipecomm adds to an error raised inside a step (where it came from), which ``describe`` puts first.
