@@ -189,8 +189,16 @@ class Pipeline:
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's stages' parameters, each once: two stages of this rank may share one (zb-v's first and last
         stage, a tied embedding and head), which an optimizer given it twice would step twice."""
-        modules = [self.modules[stage] for stage in self.stages]
-        return iter({id(param): param for module in modules for param in module.parameters()}.values())
+        return (param for _, param in self.named_parameters())
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``parameters()`` with their names, the original model's for stages made by ``pipecomm.split``: for
+        parameter groups by name, and optimizer state saved by name and loaded into another layout."""
+        named: dict[int, tuple[str, nn.Parameter]] = {}
+        for stage in self.stages:
+            for name, param in self.modules[stage].named_parameters():
+                named.setdefault(id(param), (name, param))
+        return iter(named.values())
 
     def step(self, *inputs, target=None, **kwargs) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean micro-batch loss on every rank.

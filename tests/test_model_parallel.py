@@ -81,6 +81,9 @@ def tied_weights(rank: int, world_size: int, schedule: str) -> str:
                              schedule=schedule, timeout=60)
     params = list(pipe.parameters())
     assert len(params) == len({id(param) for param in params})
+    named = list(pipe.named_parameters())  # the same, under the model's own names
+    assert [id(param) for _, param in named] == [id(param) for param in params]
+    assert {name for name, _ in named} <= set(dict(reference.named_parameters(remove_duplicate=False)))
     optimizer = torch.optim.SGD(params, lr=0.1)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
