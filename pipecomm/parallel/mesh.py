@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipecomm.runtime import fail_fast
+
 __all__ = ["ParallelContext", "init"]
 
 
@@ -69,8 +71,6 @@ def init(pipeline_size: int | None = None, data_size: int = 1, tensor_size: int 
     mesh = init_device_mesh(device.type, (data_size, pipeline_size, tensor_size), mesh_dim_names=("dp", "pp", "tp"))
     global _mesh
     _mesh = mesh
-    from pipecomm.runtime import fail_fast  # runtime imports this module
-
     fail_fast.install()  # after torch's own excepthook: a rank that fails before its first Pipeline tells the peers
     return ParallelContext(
         rank=rank,
@@ -92,12 +92,6 @@ def init(pipeline_size: int | None = None, data_size: int = 1, tensor_size: int 
 def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     """The default group's rank of ``group``'s rank ``group_rank`` (None: the default group itself)."""
     return dist.get_global_rank(group, group_rank) if group is not None else group_rank
-
-
-def uses_nccl(group: dist.ProcessGroup | None = None) -> bool:
-    """Whether CUDA tensors cross ``group`` (the default one if None) over NCCL: its backend is "nccl" or a
-    per-device mix such as "cpu:gloo,cuda:nccl"."""
-    return "nccl" in str(dist.get_backend(group))
 
 
 def named_mesh(names: tuple[str, ...]) -> DeviceMesh:

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from pipecomm.runtime import boundary
 from pipecomm.runtime.fail_fast import CallProtocol
 from pipecomm.runtime.failure import Collective
-from pipecomm.parallel.mesh import global_rank, uses_nccl
+from pipecomm.parallel.backend import uses_nccl
+from pipecomm.parallel.mesh import global_rank
 from pipecomm.schedules.schedule import Schedule
 from pipecomm.transport.channel import ChannelError
 from pipecomm.transport.lifetime import keep_forever

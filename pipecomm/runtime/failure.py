@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from pipecomm.parallel.mesh import uses_nccl
+from pipecomm.parallel.backend import uses_nccl
 from pipecomm.transport.channel import PeerDiedError
 from pipecomm.transport.lifetime import keep_forever
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipecomm.parallel.mesh import uses_nccl
+from pipecomm.parallel.backend import uses_nccl
 
 __all__ = ["BALANCE_MODES"]
 

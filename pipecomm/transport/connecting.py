@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pipecomm import _C
-from pipecomm.parallel.mesh import uses_nccl
+from pipecomm.parallel.backend import uses_nccl
 from pipecomm.transport.channel import Channel, ChannelError
 from pipecomm.transport.dist import DistChannel
 from pipecomm.transport.ipc import IpcChannel

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pipecomm import _C
-from pipecomm.parallel.mesh import uses_nccl
+from pipecomm.parallel.backend import uses_nccl
 from pipecomm.transport.channel import Channel, ChannelError, ChannelTimeoutError, PeerDiedError, ProtocolError
 from pipecomm.transport.lifetime import keep_forever
 
