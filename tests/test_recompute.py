@@ -308,6 +308,30 @@ def test_recomputation_leaves_batch_norm_statistics_as_one_forward_does(recomput
         torch.testing.assert_close(param.grad, ref.grad)
 
 
+class RunningMean(nn.Module):
+    """Updates a running mean in its forward and reads it back: a recomputation would compute with the next value."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("mean", torch.zeros(8))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return self.linear(x - self.mean)
+
+
+@pytest.mark.parametrize("recompute", [True, lambda module: isinstance(module, RunningMean)], ids=["stage", "picked"])
+def test_a_recomputation_that_changes_a_buffer_again_is_refused(recompute):
+    # It computed with the updated mean (2% off one process's loss, gradients 10-100%), silently.
+    pipe = pipecomm.Pipeline(nn.Sequential(RunningMean(), nn.Linear(8, 8)), stage=0, num_stages=1, micro_batches=4,
+                             loss_fn=nn.functional.mse_loss, recompute=recompute)
+    with pytest.raises(RuntimeError, match=r"recomputing RunningMean's forward changed its buffer\(s\) \['mean'\] in"
+                       if recompute is not True else r"changed its buffer\(s\) \['0.mean'\] in place again"):
+        pipe.step(torch.randn(16, 8), target=torch.randn(16, 8))
+
+
 @pytest.mark.parametrize("recompute", ["full", 1, None])
 def test_recompute_must_be_a_bool_or_a_callable(recompute):
     with pytest.raises(ValueError, match="recompute must be True, False or a callable"):

@@ -78,6 +78,8 @@ def _outermost(modules: list[nn.Module], pick: Callable[[nn.Module], bool]) -> l
 
 def _checkpointed(forward: Callable, module: nn.Module) -> Callable:
     norms = [norm for norm in module.modules() if isinstance(norm, nn.modules.batchnorm._BatchNorm)]
+    in_norms = {id(buffer) for norm in norms for buffer in norm.buffers(recurse=False)}
+    others = [(name, buffer) for name, buffer in module.named_buffers() if id(buffer) not in in_norms]
 
     def run(*args, **kwargs):
         # Every tensor goes in positionally, keyword ones included: checkpoint saves only its positional
@@ -88,25 +90,36 @@ def _checkpointed(forward: Callable, module: nn.Module) -> Callable:
             args, kwargs = pytree.tree_unflatten(list(leaves), spec)
             return forward(*args, **kwargs)
 
-        if any(norm.training and norm.track_running_stats for norm in norms) and not torch.compiler.is_compiling():
+        if (others or any(norm.training and norm.track_running_stats for norm in norms)) and \
+                not torch.compiler.is_compiling():
             return checkpoint(replay, *leaves, use_reentrant=False,
-                              context_fn=lambda: (contextlib.nullcontext(), _recomputing(norms)))
-        # Without batch norms to restore, plain: torch.compile cannot trace a checkpoint given a context_fn.
+                              context_fn=lambda: (contextlib.nullcontext(), _recomputing(module, norms, others)))
+        # Without buffers to watch, plain: torch.compile cannot trace a checkpoint given a context_fn.
         return checkpoint(replay, *leaves, use_reentrant=False)
 
     return run
 
 
 @contextlib.contextmanager
-def _recomputing(norms: list[nn.Module]) -> Iterator[None]:
+def _recomputing(module: nn.Module, norms: list[nn.Module], others: list[tuple[str, torch.Tensor]]) -> Iterator[None]:
     """A recomputation, which must not update batch norms' running statistics a second time: ``norms``' buffers are
     put back as the forward left them (one process updates them once per micro-batch; they are a few numbers per
-    channel). Other buffers a forward updates are updated again (docs/offload-recompute.md)."""
+    channel). Any other buffer the recomputation changes in place (a running mean the forward also reads, a counter,
+    a cache) is refused: the recomputation would compute with another value than the forward did."""
     kept = [(buffer, buffer.clone()) for norm in norms if norm.training and norm.track_running_stats
             for buffer in norm.buffers(recurse=False)]
+    versions = [buffer._version for _, buffer in others]
     try:
         yield
     finally:  # also where checkpoint stops the recomputation early, by an exception, once it has what it needs
         with torch.no_grad():
             for buffer, value in kept:
                 buffer.copy_(value)
+        changed = [name for (name, buffer), version in zip(others, versions) if buffer._version != version]
+        if changed:
+            raise RuntimeError(
+                f"recompute: recomputing {type(module).__name__}'s forward changed its buffer(s) {changed} in place "
+                "again (a running mean, a counter, a cache): the recomputation computes with other values than the "
+                "forward did, and the buffers count each micro-batch twice, where one process without recomputation "
+                "does it once; leave this module out of recompute= (a callable choosing modules) or move the update "
+                "out of its forward")
