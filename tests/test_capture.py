@@ -103,6 +103,33 @@ def test_a_deep_copy_of_a_captured_stage_is_a_stage_with_its_own_parameters():
         copies[0](x)
 
 
+class ProjectsBothWays(nn.Module):
+    """One weight read directly at the start and, transposed, at the end, as a tied projection in a forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 6))
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
+
+    def forward(self, x):
+        return self.second(self.first(x @ self.weight)) @ self.weight.t()
+
+
+def test_what_only_parameters_feed_is_computed_where_it_is_used():
+    # weight.t() ran on stage 0 and crossed the boundary with the activations at every micro-batch (its gradient
+    # coming back the same way), and the received contiguous copy took another BLAS path than one process.
+    model = ProjectsBothWays()
+    reference = copy.deepcopy(model)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    assert len(stages[0].boundary_names) == 1, stages[0].boundary_names  # the activations alone
+    assert stages[0].shared_parameters == {"weight": (0, 1)}
+    x = torch.randn(3, 4)
+    chain(stages, x).square().sum().backward()
+    reference(x).square().sum().backward()
+    torch.testing.assert_close(model.weight.grad, reference.weight.grad, rtol=0, atol=0)
+
+
 def test_functional_ops_between_children_are_kept_where_the_data_flow_puts_them():
     model = ResidualCNN()
     model.stem.pipeline_stage = model.conv1.pipeline_stage = 0

@@ -540,6 +540,15 @@ def _place(graph: torch.fx.Graph, stage_of: dict, num_stages: int) -> dict:
     for node in graph.nodes:
         if node not in placement and node.op != "get_attr":
             placement[node] = max((placement[p] for p in _producers(node)), default=0)
+    # What only parameters and constants feed (W.t(), a logit scale's exp()) goes where its first consumer is, glue
+    # consumers included, rather than being computed on stage 0 and carried over every boundary.
+    free = set()
+    for node in graph.nodes:
+        if node.op == "call_function" and node not in fixed and all(p in free for p in _producers(node)):
+            free.add(node)
+    for node in reversed(graph.nodes):
+        if node in free and node.users:
+            placement[node] = min(placement[user] for user in node.users)
     # A unit's argument rebuilt from its leaves (rotary cos/sin as a tuple) is built where the unit runs,
     # so that the leaves cross once rather than once per consuming unit.
     for node in reversed(graph.nodes):
