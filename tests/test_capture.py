@@ -103,6 +103,43 @@ def test_a_deep_copy_of_a_captured_stage_is_a_stage_with_its_own_parameters():
         copies[0](x)
 
 
+@dataclasses.dataclass
+class HiddenAndAux:  # a plain dataclass, registered as a pytree by no one
+    hidden: torch.Tensor
+    aux: torch.Tensor
+
+
+class ReturnsADataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        hidden = self.linear(x)
+        return HiddenAndAux(hidden, hidden.square().mean())
+
+
+class CarriesADataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = ReturnsADataclass(), nn.Linear(4, 4)
+        self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
+
+    def forward(self, x):
+        out = self.first(x)
+        return self.second(out.hidden) + out.aux
+
+
+def test_a_dataclass_a_block_returns_is_captured_and_crosses_as_its_tensors():
+    # torch.export refused it at the block's call ("Only Tensors or scalars are supported"), where the runtime's
+    # boundary registers such a dataclass itself.
+    model = CarriesADataclass()
+    reference = copy.deepcopy(model)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(chain(stages, x), reference(x), rtol=0, atol=0)
+
+
 class ProjectsBothWays(nn.Module):
     """One weight read directly at the start and, transposed, at the end, as a tied projection in a forward."""
 

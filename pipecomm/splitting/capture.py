@@ -29,6 +29,7 @@ from torch import nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 
+from pipecomm.runtime import boundary
 from pipecomm.splitting.read_values import ReadValuesCheck, mattering, recording_reads
 from pipecomm.splitting.stages import annotated_stages, shared_parameters
 
@@ -217,6 +218,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, units: list[str],
     try:
         with (torch.random.fork_rng(devices=[]), _recording_stack_traces(stack_traces),
               _compiled_units_unwrapped(model, units), _without_pre_hooks([model.get_submodule(unit) for unit in units]),
+              _dataclasses_registered([model.get_submodule(unit) for unit in units]),
               _reentrant_checkpoints_traced_through()):
             return torch.export.export(model, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic_shapes,
                                        preserve_module_call_signature=tuple(units))
@@ -240,6 +242,26 @@ def _reentrant_checkpoints_traced_through() -> Iterator[None]:
             del function.apply
         else:
             function.apply = own
+
+
+@contextlib.contextmanager
+def _dataclasses_registered(units: list[nn.Module]) -> Iterator[None]:
+    """A dataclass a unit takes or returns is registered as a pytree node as the runtime registers it at a stage
+    boundary (``boundary.flatten``), before torch.export's own hooks at the unit's call take its arguments and output
+    apart, which refuse anything else than tensors and plain values."""
+    def arguments(module, args, kwargs):
+        boundary.flatten((args, kwargs))
+
+    def output(module, args, result):
+        boundary.flatten(result)
+
+    handles = [hook for unit in units for hook in (unit.register_forward_pre_hook(arguments, with_kwargs=True),
+                                                   unit.register_forward_hook(output))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager
