@@ -510,5 +510,6 @@ def test_inputs_the_capture_does_not_hold_for_are_refused():
     with raises("split: the model was captured with arguments ['input_ids'] but is called with"):
         stages[0](tokens(2, 8), attention_mask=torch.ones(2, 8, dtype=torch.long))
     stages = pipecomm.split(LongSkip(), 4, [0], example_inputs=(torch.randn(2, 8),))
-    with raises("split: these inputs do not fit the captured forward"):
+    with raises("split: these inputs do not fit the captured forward: Expected input at *args[0].shape[1] to be "
+                "equal to 8, but got 9. The capture holds for that size only"):
         stages[0](torch.randn(2, 9))  # the Linear layers fixed the feature dimension at 8

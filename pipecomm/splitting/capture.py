@@ -19,6 +19,7 @@ import contextlib
 import copy
 import inspect
 import operator
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -345,8 +346,15 @@ class _ArgumentCheck:
         try:
             torch._export.utils._check_input_constraints_for_graph(self.placeholders, flat, self.range_constraints)
         except RuntimeError as error:
-            text = str(error)
-            if "to be equal to" in text or "to be a tensor" in text or "to be None" in text:
+            # torch's advice to export again with dynamic_shapes is for its own callers: split's message says what to do.
+            text = re.sub(r"\s*If you meant for this dimension to be dynamic.*", "", " ".join(str(error).split())).rstrip(".")
+            if ".shape[" in text and "to be equal to" in text:
+                # torch.export kept a size fixed where the forward's code depends on it (a loop or branch over it).
+                advice = ("The capture holds for that size only: something fixes it (a layer's feature size, or the "
+                          "model's own code outside the modules that run whole on a stage looping or branching over "
+                          "it). Call with that size, or split with an example of the size you call with (a Pipeline "
+                          "of its own)")
+            elif "to be equal to" in text or "to be a tensor" in text or "to be None" in text:
                 # A Python value (or None for a tensor) is part of the capture, as a constant.
                 advice = ("The capture holds for the Python values and the Nones of its example as they were; pass "
                           "the same, or split with an example that has the ones you call with (a Pipeline of its own)")
