@@ -364,6 +364,33 @@ def test_a_peer_hears_which_action_of_which_micro_batch_failed(tmp_path):
     assert "in the forward of stage 1, micro-batch 2, on pipeline rank 1: ArithmeticError: the loss" in text, text
 
 
+def interrupted_while_waiting(rank: int, world_size: int) -> tuple:
+    """Ctrl-C on rank 0 while it waits for rank 1, whose stage is busy for 3 s: (what each rank raised, its text,
+    seconds after the signal)."""
+    pipe = make_pipe(rank, world_size)
+    if rank == 1:
+        forward, calls = pipe.modules[1].forward, []
+        pipe.modules[1].forward = lambda *args: (calls or time.sleep(3), calls.append(1), forward(*args))[2]
+    signalled = time.monotonic() + 0.5
+    if rank == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    x, y = data()
+    try:
+        pipe.step(x, target=y)
+    except BaseException as error:  # noqa: BLE001 - what each rank raised is the result
+        return type(error).__name__, str(error), time.monotonic() - signalled
+    return None, "", time.monotonic() - signalled
+
+
+def test_ctrl_c_ends_a_wait_at_once_and_the_peers_hear_of_it(tmp_path):
+    # The channels wait in native code, where Python's SIGINT handler ran only once the wait ended: Ctrl-C did
+    # nothing until the peer's message came or the timeout (60 s here, 300 s by default) ran out.
+    (first, _, first_seconds), (second, text, second_seconds) = run_ranks(2, interrupted_while_waiting, tmp_path,
+                                                                           timeout=3 * TIMEOUT)
+    assert first == "KeyboardInterrupt" and first_seconds < 1.0, (first, first_seconds)
+    assert second == "PeerFailedError" and "SIGINT" in text and second_seconds < BOUND_SECONDS, (second, text)
+
+
 def calls_out_of_step(rank: int, world_size: int) -> str:
     """Rank 0 evaluates alone (a forward), then both step: rank 1's step would read that forward's activations."""
     pipe = make_pipe(rank, world_size)

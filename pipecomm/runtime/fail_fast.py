@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
+from pipecomm.runtime import interrupts
 from pipecomm.runtime.failure import Collective, FailureNotes, PeerFailedError, describe, next_pipeline_notes
 from pipecomm.transport.channel import ChannelError
 
@@ -71,7 +72,10 @@ class CallProtocol:
             raise explained from error
 
     def fail(self, action: str, error: BaseException) -> BaseException:
-        """Publishes and aborts; returns the error to raise: ``error``, or a PeerFailedError naming the cause."""
+        """Publishes and aborts; returns the error to raise: ``error``, or a PeerFailedError naming the cause. Once
+        failed (Ctrl-C's watcher thread fails the call it interrupts), the first cause stands."""
+        if self.failed is not None:
+            return error
         symptom = isinstance(error, (ChannelError, TimeoutError, PeerFailedError))
         reasons = self.notes.reasons(self.global_rank) if symptom else ""
         explained = error
@@ -139,6 +143,10 @@ class _CallGuard:
         self._inside = ""
         self._lock.release()
 
+    def busy(self) -> bool:
+        """Whether a Pipeline call is running on some thread of this process."""
+        return bool(self._inside)
+
 
 _calls = _CallGuard()
 
@@ -176,6 +184,17 @@ def install() -> None:
         atexit.register(close_live_pipelines)
         _previous_excepthook = sys.excepthook
         sys.excepthook = _fail_live_pipelines
+    interrupts.watch(_interrupt_calls)
+
+
+def _interrupt_calls() -> None:
+    """Ctrl-C while a Pipeline call waits: the open Pipelines fail (their peers told why), which wakes the wait; Python
+    then raises KeyboardInterrupt as usual. Between calls nothing is done: the program may catch it and go on."""
+    if not _calls.busy():
+        return
+    for pipe in list(_live):
+        with contextlib.suppress(BaseException):
+            pipe.calls.fail("a call interrupted by SIGINT (Ctrl-C)", KeyboardInterrupt())
 
 
 def untrack(pipeline: Closable) -> None:

@@ -91,7 +91,8 @@ NOTE_PREFIX = "pipecomm: "
 
 def describe(error: BaseException, limit: int = 4000) -> str:
     """An error as one line for other ranks' messages: where in the step it came from, if noted, its type and text."""
-    text = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    said = " ".join(str(error).split())
+    text = f"{type(error).__name__}: {said}" if said else type(error).__name__
     where = [note[len(NOTE_PREFIX):] for note in getattr(error, "__notes__", ()) if note.startswith(NOTE_PREFIX)]
     if where:
         text = f"{'; '.join(where)}: {text}"
