@@ -245,11 +245,14 @@ class Pipeline:
         # Without the broadcast, the first stage's rank only sends, which may all fit in its channels' slots: it looks
         # for published failures first, as it might wait for nothing that a failed peer stops.
         with self.calls.call("forward", look_up_failures=not broadcast_result):
-            split_inputs = (microbatch.split(microbatch.Batch(inputs, kwargs), self.micro_batches, "", self.device,
-                                             uneven=True, dim=self.batch_dim) if 0 in self.stages else None)
-            outputs = self._executor.infer(split_inputs)
+            batch = microbatch.Batch(inputs, kwargs)
+            split_inputs = (microbatch.split(batch, self.micro_batches, "", self.device, uneven=True,
+                                             dim=self.batch_dim) if 0 in self.stages else None)
+            outputs = self._executor.infer(split_inputs, microbatch.batch_size(batch, "", self.batch_dim)
+                                           if 0 in self.stages else None)
             self._sharded.reshard()
-            result = microbatch.join(outputs, self.batch_dim) if outputs else None
+            result = (microbatch.join(outputs, self.batch_dim, self._executor.inferred_batch_size)
+                      if outputs else None)
             if broadcast_result and self.num_ranks > 1:
                 result = self._collectives.broadcast_result(result)
             return result

@@ -54,6 +54,19 @@ def test_join_concatenates_tensors_stacks_0d_ones_and_keeps_equal_constants():
     assert isinstance(single, torch.Tensor) and single.shape == (3, 2)
 
 
+def test_join_takes_a_tensor_that_is_no_batch_once_and_refuses_one_that_differs():
+    # A model's own statistic (a codebook's norms, shape (3,)) came back concatenated: (9,) for three micro-batches,
+    # where model(x) returns (3,), silently.
+    norms = torch.arange(3.0)
+    outputs = [{"logits": torch.full((size, 2), float(size)), "norms": norms.clone()} for size in (3, 3, 2)]
+    joined = microbatch.join(outputs, batch_size=8)
+    assert joined["logits"].shape == (8, 2) and torch.equal(joined["norms"], norms)
+    outputs[2]["norms"] = norms + 1
+    with pytest.raises(ValueError, match=r"output tensor 1 has sizes \[3, 3, 3\] along dim 0 in the micro-batches of "
+                                         r"sizes \[3, 3, 2\], and differs between them"):
+        microbatch.join(outputs, batch_size=8)
+
+
 def test_join_refuses_outputs_that_differ_in_constants_or_structure():
     with pytest.raises(ValueError, match="micro-batch 1 does not match micro-batch 0's.*leaf 1 is 5"):
         microbatch.join([(torch.ones(1), 4), (torch.ones(1), 5)])

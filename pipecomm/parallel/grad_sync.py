@@ -64,7 +64,9 @@ class SharedParameters:
                 continue
             grad = local_shard(_grad_or_zeros(sink_for(param), param))
             wait(Collective(lambda: dist.all_reduce(grad, group=group, async_op=True), [grad], group,
-                            f"the all-reduce of a shared parameter's gradient among ranks {holders}"))
+                            f"the all-reduce of a shared parameter's gradient among ranks {holders} (a holder where "
+                            "it does not require grad skips it: freeze it alike on every rank that holds it, under "
+                            "each of its names there)"))
 
 
 class DataParallelGrads:

@@ -144,14 +144,15 @@ class StageExecutor:
             runner.step_done()
         return self._loss
 
-    def infer(self, inputs: list[tuple[tuple, dict]] | None) -> list | None:
+    def infer(self, inputs: list[tuple[tuple, dict]] | None, batch_size: int | None = None) -> list | None:
         """Inference over the forward-only schedule on this schedule's placement; returns the last stage's output of each micro-batch
         (None on a rank without the last stage).
 
-        ``inputs`` are given on the first stage's rank; a rank without that stage learns how many micro-batches
-        there are from its first message, which is always the first action of its forward-only schedule.
+        ``inputs`` (and their whole ``batch_size``) are given on the first stage's rank; a rank without that stage
+        learns how many micro-batches there are from its first message, which is always the first action of its
+        forward-only schedule, and the batch size (``inferred_batch_size``) from the messages.
         """
-        self._start(inputs, None, None, None, None)
+        self._start(inputs, None, batch_size, None, None)
         self._inferred: list = []
         first_message = None
         if inputs is None:
@@ -171,6 +172,9 @@ class StageExecutor:
             _note_action(error, action, self.rank)
             raise
         return self._inferred if self.last_stage in self.stages else None
+
+    inferred_batch_size = property(lambda self: self._batch_size,
+                                   doc="The last inference's whole batch size, as the first stage split it.")
 
     def _start(self, inputs, targets, batch_size: int | None, target_batch: int | None,
                micro_batches: int | None) -> None:
@@ -268,7 +272,7 @@ class StageExecutor:
 
     def _send_inferred(self, stage: int, micro_batch: int) -> None:
         held = self.stages[stage].micro_batches.pop(micro_batch)
-        self.transfers.send_activation(stage, micro_batch, held.outputs, self._micro_batches)
+        self.transfers.send_activation(stage, micro_batch, held.outputs, self._micro_batches, self._batch_size)
 
     def _recv_forward(self, stage: int, micro_batch: int) -> None:
         received = self.transfers.recv_activation(stage, micro_batch)

@@ -147,10 +147,13 @@ def check_target_batch(batch_size: int | None, target_batch: int | None) -> None
         raise ValueError(f"step: target has batch size {target_batch} but the inputs have {batch_size}")
 
 
-def join(outputs: Sequence[Any], dim: int = 0) -> Any:
+def join(outputs: Sequence[Any], dim: int = 0, batch_size: int | None = None) -> Any:
     """The micro-batches' output structures as one: tensor leaves concatenated along ``dim``, 0-d ones stacked.
 
-    Non-tensor leaves must be equal across micro-batches, and so must the structures.
+    Non-tensor leaves must be equal across micro-batches, and so must the structures. Given the whole ``batch_size``
+    (split as ``split`` splits it), a tensor leaf whose size along ``dim`` is not its micro-batch's (a model's own
+    statistic, a codebook's norms) is taken once where it is the same in every micro-batch, as ``model(x)`` returns it,
+    and refused otherwise, rather than concatenated into a size that depends on the micro-batch count.
     """
     flats = [boundary.flatten(output) for output in outputs]
     layout = flats[0].layout
@@ -159,10 +162,23 @@ def join(outputs: Sequence[Any], dim: int = 0) -> Any:
         if mismatch:
             raise ValueError(f"the output of micro-batch {micro_batch} does not match micro-batch 0's, so the "
                              f"micro-batches cannot be joined: {mismatch}")
-    tensors = [
-        torch.cat(parts, dim=dim if parts[0].dim() > dim else 0) if parts[0].dim() else torch.stack(parts)
-        for parts in zip(*(flat.tensors for flat in flats))
-    ]
+    sizes = None
+    if batch_size is not None:
+        whole, extra = divmod(batch_size, len(outputs))
+        sizes = [whole + 1] * extra + [whole] * (len(outputs) - extra)
+    tensors = []
+    for index, parts in enumerate(zip(*(flat.tensors for flat in flats))):
+        along = dim if parts[0].dim() > dim else 0
+        if not parts[0].dim():
+            tensors.append(torch.stack(parts))
+        elif sizes is None or [part.shape[along] for part in parts] == sizes:
+            tensors.append(torch.cat(parts, dim=along))
+        elif all(torch.equal(part, parts[0]) for part in parts[1:]):
+            tensors.append(parts[0])
+        else:
+            raise ValueError(f"forward: output tensor {index} has sizes {[part.shape[along] for part in parts]} along "
+                             f"dim {along} in the micro-batches of sizes {sizes}, and differs between them: it is no "
+                             "batch to concatenate, nor one value to return once")
     return boundary.unflatten(tensors, layout)
 
 
