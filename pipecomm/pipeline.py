@@ -238,7 +238,8 @@ class Pipeline:
 
         Any batch size works: it is split into min(batch size, micro_batches) micro-batches, unevenly if
         need be; only the first stage's rank needs the inputs. The result has the structure the model
-        returns, each tensor leaf concatenated over the micro-batches along ``batch_dim`` (0-d tensors stacked);
+        returns, each tensor leaf concatenated over the micro-batches along ``batch_dim`` (0-d tensors stacked; one
+        whose size there is not its micro-batch's and that is the same in each is returned once);
         non-tensor leaves must be equal across micro-batches. With ``broadcast_result=True`` every rank
         of the pipeline gets it (autoregressive decoding). Failures behave as in ``step``.
         """
