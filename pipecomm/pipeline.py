@@ -246,11 +246,11 @@ class Pipeline:
         # Without the broadcast, the first stage's rank only sends, which may all fit in its channels' slots: it looks
         # for published failures first, as it might wait for nothing that a failed peer stops.
         with self.calls.call("forward", look_up_failures=not broadcast_result):
-            batch = microbatch.Batch(inputs, kwargs)
+            batch, first = microbatch.Batch(inputs, kwargs), 0 in self.stages
             split_inputs = (microbatch.split(batch, self.micro_batches, "", self.device, uneven=True,
-                                             dim=self.batch_dim) if 0 in self.stages else None)
+                                             dim=self.batch_dim) if first else None)
             outputs = self._executor.infer(split_inputs, microbatch.batch_size(batch, "", self.batch_dim)
-                                           if 0 in self.stages else None)
+                                           if first else None)
             self._sharded.reshard()
             result = (microbatch.join(outputs, self.batch_dim, self._executor.inferred_batch_size)
                       if outputs else None)

@@ -19,6 +19,15 @@ from pipecomm.splitting.capture import CapturedStage
 
 
 
+def split_in_two_like_the_model(model: nn.Module) -> list:
+    """``model`` (one example of 4 features) split in two stages, checked bit for bit against an unsplit copy."""
+    reference = copy.deepcopy(model)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(chain(stages, x), reference(x), rtol=0, atol=0)
+    return stages
+
+
 def raises(message: str):
     return pytest.raises(ValueError, match=re.escape(message))
 
@@ -133,11 +142,7 @@ class CarriesADataclass(nn.Module):
 def test_a_dataclass_a_block_returns_is_captured_and_crosses_as_its_tensors():
     # torch.export refused it at the block's call ("Only Tensors or scalars are supported"), where the runtime's
     # boundary registers such a dataclass itself.
-    model = CarriesADataclass()
-    reference = copy.deepcopy(model)
-    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
-    x = torch.randn(3, 4)
-    torch.testing.assert_close(chain(stages, x), reference(x), rtol=0, atol=0)
+    split_in_two_like_the_model(CarriesADataclass())
 
 
 class ProjectsBothWays(nn.Module):
@@ -385,13 +390,10 @@ class SetsItsDefault(nn.Module):
 
 def test_a_value_the_forward_writes_at_its_first_call_is_captured_as_it_leaves_it():
     model = SetsItsDefault()
-    reference = copy.deepcopy(model)
-    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
-    x = torch.randn(3, 4)
-    torch.testing.assert_close(chain(stages, x), reference(x), rtol=0, atol=0)
+    stages = split_in_two_like_the_model(model)
     model.settings.kind = "linear"  # a change after the capture is still refused
     with raises("Settings (settings).kind: 'tanh' at the capture, 'linear' now"):
-        stages[0](x)
+        stages[0](torch.randn(3, 4))
 
 
 @dataclasses.dataclass(frozen=True)

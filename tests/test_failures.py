@@ -210,16 +210,21 @@ def uncaught_exception(rank, world_size, clock):
     x, y = data()
     if rank == 0:
         return pipe, lambda: pipe.step(x, target=y)
+    return pipe, uncaught(clock, KeyError("the user's data loader failed"))
 
+
+def uncaught(clock: str, error: Exception):
+    """User code that raises ``error``, uncaught: the interpreter's excepthook runs here, where the harness would
+    catch the error before the interpreter saw it."""
     def user_code_fails():
         try:
             note_fault(clock)
-            raise KeyError("the user's data loader failed")
-        except KeyError:
+            raise error
+        except type(error):
             sys.excepthook(*sys.exc_info())
             raise
 
-    return pipe, user_code_fails
+    return user_code_fails
 
 
 def fails_before_building(rank, world_size, clock):
@@ -228,16 +233,7 @@ def fails_before_building(rank, world_size, clock):
     pipecomm.init()
     if rank == 0:
         return None, lambda: make_pipe(rank, world_size)
-
-    def user_code_fails():
-        try:
-            note_fault(clock)
-            raise FileNotFoundError("rank 1's checkpoint shard is missing")
-        except FileNotFoundError:
-            sys.excepthook(*sys.exc_info())
-            raise
-
-    return None, user_code_fails
+    return None, uncaught(clock, FileNotFoundError("rank 1's checkpoint shard is missing"))
 
 
 def exit_between_steps(rank, world_size, clock):

@@ -117,7 +117,7 @@ class CallProtocol:
 
 
 def _shortened(text: str, limit: int = 240) -> str:
-    """``text`` in at most ``limit`` UTF-8 bytes, cut at a word ("...") rather than inside one; the store holds it all."""
+    """``text`` in at most ``limit`` UTF-8 bytes, cut at a word ("...") rather than in one; the store holds it all."""
     if len(text.encode()) <= limit:
         return text
     cut = text.encode()[: limit - 3].decode(errors="ignore")

@@ -10,15 +10,16 @@ from collections.abc import Callable
 
 __all__: list[str] = []
 
-_watching = [False]
+_tried = [False]
 
 
 def watch(interrupt: Callable[[], None]) -> None:
     """Once per process, from the main thread: ``interrupt`` runs on another thread at every SIGINT while Python's own
     handler (KeyboardInterrupt) is the one installed. Nothing is installed where someone else already listens through
     ``signal.set_wakeup_fd`` (asyncio's event loop does), or off the main thread, which cannot set it."""
-    if _watching[0] or threading.current_thread() is not threading.main_thread():
+    if _tried[0] or threading.current_thread() is not threading.main_thread():
         return
+    _tried[0] = True
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     try:
@@ -31,7 +32,6 @@ def watch(interrupt: Callable[[], None]) -> None:
         reader.close()
         writer.close()
         return
-    _watching[0] = True
     threading.Thread(target=_listen, args=(reader, writer, interrupt), name="pipecomm-sigint", daemon=True).start()
 
 

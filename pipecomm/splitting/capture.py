@@ -74,7 +74,8 @@ class CapturedStage(torch.fx.GraphModule):
         """A copy (an EMA or teacher model, AveragedModel) that is a stage as this one is. torch's GraphModule copy
         would fail on the fake tensors in the nodes' metadata (shared here: the copy's graph is the same), and drops
         the stage's attributes and the capture's checks (its forward pre-hooks, which read the original model)."""
-        checks = [hook for hook in self._forward_pre_hooks.values() if isinstance(hook, (_ArgumentCheck, ReadValuesCheck))]
+        checks = [hook for hook in self._forward_pre_hooks.values()
+                  if isinstance(hook, (_ArgumentCheck, ReadValuesCheck))]
         for node in self.graph.nodes:
             for value in pytree.tree_leaves([node.meta.get("val"), node.meta.get("example_value")]):
                 if isinstance(value, torch.Tensor):
@@ -101,20 +102,24 @@ def capture_split(
     """The requested stages of ``model``, cut from one capture of its forward."""
     stage_of = annotated_stages(model, num_stages)
     units = _units(model, stage_of)
-    with recording_reads(_glue_modules(model, units), [(unit, model.get_submodule(unit)) for unit in units]) as reads:
-        exported = _export(model, example_args, example_kwargs, units, stack_traces=False)
-    if any(read.changed() for read in reads):
-        # The forward wrote a value it read (a Hugging Face classifier sets config.problem_type at its first call):
-        # captured again from the state it left, which its next calls start from.
-        with recording_reads(_glue_modules(model, units), [(unit, model.get_submodule(unit)) for unit in units]) as reads:
-            exported = _export(model, example_args, example_kwargs, units, stack_traces=False)
-    reads = mattering(reads, lambda: _export(model, example_args, example_kwargs, units, stack_traces=False)
-                      .graph_module.code, exported.graph_module.code)
+    glue, called_whole = _glue_modules(model, units), [(unit, model.get_submodule(unit)) for unit in units]
+
+    def capture(stack_traces: bool = False) -> torch.export.ExportedProgram:
+        return _export(model, example_args, example_kwargs, units, stack_traces=stack_traces)
+
+    # A forward that writes a value it read (a Hugging Face classifier sets config.problem_type at its first call) is
+    # captured again from the state it left, which its next calls start from.
+    for _ in range(2):
+        with recording_reads(glue, called_whole) as reads:
+            exported = capture()
+        if not any(read.changed() for read in reads):
+            break
+    reads = mattering(reads, lambda: capture().graph_module.code, exported.graph_module.code)
     graph = _outline_units(exported, set(units))
     try:
         placement = _place(graph, stage_of, num_stages)
     except _DataFlowAgainstStages:  # its message names source lines: capture again, recording them
-        exported = _export(model, example_args, example_kwargs, units, stack_traces=True)
+        exported = capture(stack_traces=True)
         graph = _outline_units(exported, set(units))
         placement = _place(graph, stage_of, num_stages)
     built = _cut(model, exported, graph, placement, num_stages, device)
@@ -216,11 +221,11 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, units: list[str],
     kinds = {param.name: param.kind for param in signature.parameters.values()}
     if any(kinds[name] in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for name in bound.arguments):
         dynamic_shapes = None  # torch.export names *args/**kwargs differently; fall back to its default
+    called_whole = [model.get_submodule(unit) for unit in units]
     try:
         with (torch.random.fork_rng(devices=[]), _recording_stack_traces(stack_traces),
-              _compiled_units_unwrapped(model, units), _without_pre_hooks([model.get_submodule(unit) for unit in units]),
-              _dataclasses_registered([model.get_submodule(unit) for unit in units]),
-              _reentrant_checkpoints_traced_through()):
+              _compiled_units_unwrapped(model, units), _without_pre_hooks(called_whole),
+              _dataclasses_registered(called_whole), _reentrant_checkpoints_traced_through()):
             return torch.export.export(model, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic_shapes,
                                        preserve_module_call_signature=tuple(units))
     except Exception as error:  # noqa: BLE001 - every capture failure becomes the same clear error
@@ -346,10 +351,11 @@ class _ArgumentCheck:
         try:
             torch._export.utils._check_input_constraints_for_graph(self.placeholders, flat, self.range_constraints)
         except RuntimeError as error:
-            # torch's advice to export again with dynamic_shapes is for its own callers: split's message says what to do.
-            text = re.sub(r"\s*If you meant for this dimension to be dynamic.*", "", " ".join(str(error).split())).rstrip(".")
+            # torch's advice to export again with dynamic_shapes is for its callers: split's message says what to do.
+            text = " ".join(str(error).split())
+            text = re.sub(r"\s*If you meant for this dimension to be dynamic.*", "", text).rstrip(".")
             if ".shape[" in text and "to be equal to" in text:
-                # torch.export kept a size fixed where the forward's code depends on it (a loop or branch over it).
+                # torch.export kept a size fixed: a layer's, or one the forward's own code loops or branches over.
                 advice = ("The capture holds for that size only: something fixes it (a layer's feature size, or the "
                           "model's own code outside the modules that run whole on a stage looping or branching over "
                           "it). Call with that size, or split with an example of the size you call with (a Pipeline "
