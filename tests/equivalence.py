@@ -68,8 +68,10 @@ def train_like_one_process(rank, world_size, build, make_batch, loss_fn, schedul
                                  cuda_graphs=GRAPH_OPTION[kind], **options)
         named = [(f"{schedule}, stage {s}: {name}", p) for s in mine for name, p in stages[s].named_parameters()]
         ref_params = [p for s in mine for p in reference[s].parameters()]
-        optimizer = torch.optim.AdamW([p for _, p in named], lr=1e-2)
-        ref_optimizer = torch.optim.AdamW([p for stage in reference for p in stage.parameters()], lr=1e-2)
+        optimizer = torch.optim.AdamW({id(p): p for _, p in named}.values(), lr=1e-2)
+        # A parameter several stages hold (a tied embedding and head) is one parameter to the optimizer.
+        ref_optimizer = torch.optim.AdamW({id(p): p for stage in reference for p in stage.parameters()}.values(),
+                                          lr=1e-2)
         for step in range(steps):
             if before_step:
                 before_step(step, stages)

@@ -50,6 +50,26 @@ def gpt2(num_stages: int, layers: int = 4):
     return model
 
 
+def bart(num_stages: int):
+    """A tiny transformers BART with dropout, annotated on its layers: the encoder's and decoder's own forwards,
+    which apply ``F.dropout(h, p, self.training)`` to the embeddings, are functional code between the stages."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=40,
+                        dropout=0.3, attention_dropout=0.0, activation_dropout=0.0, use_cache=False, pad_token_id=1,
+                        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    model = BartForConditionalGeneration(config)
+    encoder, decoder = model.model.encoder, model.model.decoder
+    for part in (encoder.embed_tokens, encoder.embed_positions, encoder.layernorm_embedding, *encoder.layers):
+        part.pipeline_stage = 0
+    for part in (decoder.embed_tokens, decoder.embed_positions, decoder.layernorm_embedding, *decoder.layers,
+                 model.lm_head):
+        part.pipeline_stage = num_stages - 1
+    return model
+
+
 def llama(num_stages: int, layers: int = 4):
     """A tiny transformers Llama (rotary embeddings, grouped-query attention), annotated on its own submodules."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -132,6 +132,69 @@ def test_frozen_stages_an_all_frozen_model_and_frozen_parameters_in_reductions(t
     run_ranks(2, frozen_around_the_pipeline, tmp_path, timeout=120)
 
 
+class TwoTiedPairs(nn.Module):
+    """Two embeddings of one shape, each tied to a head; the heads called in the other order, so the last stage lists
+    its shared weights the other way round from the first."""
+
+    def __init__(self, num_stages: int):
+        super().__init__()
+        self.embed_a, self.embed_b = nn.Embedding(16, HIDDEN), nn.Embedding(16, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(num_stages))
+        self.head_b, self.head_a = nn.Linear(HIDDEN, 16, bias=False), nn.Linear(HIDDEN, 16, bias=False)
+        self.head_a.weight, self.head_b.weight = self.embed_a.weight, self.embed_b.weight
+        self.embed_a.pipeline_stage = self.embed_b.pipeline_stage = 0
+        for index, block in enumerate(self.blocks):
+            block.pipeline_stage = index
+        self.head_a.pipeline_stage = self.head_b.pipeline_stage = num_stages - 1
+
+    def forward(self, tokens):
+        h = self.embed_a(tokens) + torch.tanh(self.embed_b(tokens))
+        for block in self.blocks:
+            h = block(h)
+        return 2 * self.head_b(torch.tanh(h)) + self.head_a(h)
+
+
+def two_tied_pairs(num_stages: int) -> list[nn.Module]:
+    return pipecomm.split(TwoTiedPairs(num_stages), num_stages, list(range(num_stages)),
+                          example_inputs=(torch.zeros(2, SEQ, dtype=torch.long),))
+
+
+def token_batch(step: int):
+    generator = torch.Generator().manual_seed(step)
+    return (torch.randint(0, 16, (BATCH, SEQ), generator=generator),), {}, torch.randint(0, 16, (BATCH, SEQ),
+                                                                                        generator=generator)
+
+
+def logits_loss(output, target):
+    return nn.functional.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+def test_shared_parameters_listed_in_another_order_on_each_holder_pair_by_name(tmp_path):
+    # The holders reduced their shared weights in their own orders: the first stage summed embed_a's gradient with
+    # the last stage's head_b's (the other pair, of the same shape), and broadcast the values crosswise, silently.
+    run_ranks(2, train_like_one_process, tmp_path, two_tied_pairs, token_batch, logits_loss,
+              (("1f1b", 1), ("zb-v", 2)), timeout=120)
+
+
+class HandMadeTied(nn.Module):
+    def __init__(self, name: str):
+        super().__init__()
+        self.add_module(name, nn.Linear(HIDDEN, HIDDEN))
+        self.shared_parameters = {f"{name}.weight": (0, 1)}
+
+
+def hand_made_stages_naming_a_shared_weight_apart(rank: int, world_size: int) -> str:
+    with pytest.raises(ValueError, match=r"rank 0 shares a parameter with ranks \(0, 1\) under the key 'first.weight' "
+                                         r"\(8, 8\) torch.float32, and rank 1 holds no such parameter"):
+        pipecomm.Pipeline(HandMadeTied("first" if rank == 0 else "last"), stage=rank, num_stages=2, loss_fn=mse,
+                          micro_batches=2, timeout=30)
+    return "ok"
+
+
+def test_hand_made_stages_that_name_a_shared_weight_apart_are_refused_on_every_rank(tmp_path):
+    assert run_ranks(2, hand_made_stages_naming_a_shared_weight_apart, tmp_path) == ["ok", "ok"]
+
+
 class PartlyFrozen(nn.Module):
     """Frozen weights beside trainable biases, a frozen free parameter, and a trainable gate."""
 

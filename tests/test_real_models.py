@@ -11,7 +11,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.distributed.tensor import DTensor
 
-from models import CAUSAL_LMS, VOCAB, LongSkip, ResidualCNN, causal_lm, gpt2, llama
+from models import CAUSAL_LMS, VOCAB, LongSkip, ResidualCNN, bart, causal_lm, gpt2, llama
 from ranks import held_stages, needs_cuda, rank_device, run_ranks
 
 import pipecomm
@@ -236,6 +236,60 @@ class NormNet(nn.Module):
 def test_batch_norm_matches_accumulation_over_the_same_micro_batches(tmp_path):
     assert train_ranks(tmp_path, 2, NormNet, nn.functional.mse_loss, vector_batch, "1f1b", 1, 4,
                        timeout=180) == ["ok"] * 2
+
+
+def seq2seq_batch(step: int):
+    generator = torch.Generator().manual_seed(step)
+    ids, decoder_ids = (torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator) for _ in range(2))
+    return (ids,), {"decoder_input_ids": decoder_ids}, torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator)
+
+
+def evaluation_between_steps(rank: int, world_size: int, split, kind: str = "cpu") -> str:
+    """BART's own forward drops out its embeddings by its training flag: steps in training mode (on GPUs, enough for
+    the default CUDA graphs to be adopted), then an evaluation and a step in eval mode, deterministic and so exactly
+    one process's, and back, with one Pipeline."""
+    device = rank_device(rank, kind)
+    model, reference, _, stages = split([rank], device) if callable(split) else split
+    stage = stages[0] if callable(split) else stages[rank]
+    pipe = pipecomm.Pipeline(stage, stage=rank, num_stages=world_size, loss_fn=lm_loss, micro_batches=2, timeout=60)
+    inputs, kwargs, target = seq2seq_batch(0)
+    on_device = [tuple(value.to(device) for value in inputs), {key: value.to(device) for key, value in kwargs.items()},
+                 target.to(device)]
+    tolerance = dict(rtol=1e-5, atol=1e-5) if kind == "cpu" else dict(rtol=1e-4, atol=1e-4)
+    reference_grads = None
+    for evaluation in range(2):
+        for _ in range(4):
+            trained = pipe.step(*on_device[0], target=on_device[2], **on_device[1])
+        model.eval()
+        reference.eval()
+        with torch.no_grad():
+            expected = reference(*inputs, **kwargs).logits
+        evaluated = pipe.forward(*on_device[0], broadcast_result=True, **on_device[1]).logits
+        torch.testing.assert_close(evaluated.cpu(), expected, **tolerance)
+        stage.zero_grad()
+        loss = pipe.step(*on_device[0], target=on_device[2], **on_device[1])
+        if reference_grads is None:
+            torch.testing.assert_close(loss.cpu(), reference_step(reference, inputs, kwargs, target, lm_loss, 2),
+                                       **tolerance)
+            reference_grads = {name: param.grad for name, param in reference.named_parameters(remove_duplicate=False)}
+        for name, param in stage.named_parameters():
+            torch.testing.assert_close(param.grad.cpu(), reference_grads[name], **tolerance, msg=name)
+        assert not torch.equal(trained, loss)  # the training steps' dropout ran
+        model.train()
+        stage.zero_grad()
+    pipe.close()
+    return "ok"
+
+
+def test_a_model_reading_its_training_flag_evaluates_between_steps_exactly(tmp_path):
+    splitter = functools.partial(split_model, bart, 2, seq2seq_batch)
+    assert run_ranks(2, evaluation_between_steps, tmp_path, timeout=240, prepare=splitter) == ["ok"] * 2
+
+
+@needs_cuda
+def test_a_model_reading_its_training_flag_evaluates_between_steps_exactly_under_cuda_graphs(tmp_path):
+    splitter = functools.partial(split_model, bart, 2, seq2seq_batch, False)
+    assert run_ranks(2, evaluation_between_steps, tmp_path, splitter, "cuda", timeout=300) == ["ok"] * 2
 
 
 def greedy_decoding(rank: int, world_size: int, batch: int) -> str:

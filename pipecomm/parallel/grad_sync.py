@@ -25,21 +25,26 @@ class SharedParameters:
     """
 
     def __init__(self, modules: dict[int, nn.Module], global_rank_of_stage: Callable[[int], int]):
-        local: list[tuple[nn.Parameter, tuple[int, ...]]] = []
-        seen: set[int] = set()
+        local: dict[int, tuple[tuple[int, ...], str, nn.Parameter]] = {}
         for module in modules.values():
             parameters = dict(module.named_parameters(remove_duplicate=False))
+            keys = getattr(module, "shared_parameter_keys", {})
             for name, stages in getattr(module, "shared_parameters", {}).items():
                 param = parameters[name]
-                if id(param) in seen:
-                    continue  # two stages on this rank hold it: autograd already sums their grads
-                seen.add(id(param))
                 holders = tuple(sorted({global_rank_of_stage(stage) for stage in stages}))
-                local.append((param, holders))
+                # Two stages on this rank hold it: autograd already sums their grads.
+                local.setdefault(id(param), (holders, keys.get(name, name), param))
+        # Each holder reduces its shared parameters in the order of their keys (the name on the lowest stage): the
+        # holders' orders of parameters and names may differ, and a parameter paired with another of its shape
+        # would take the other's value and gradient, silently.
+        ordered = sorted((entry for entry in local.values() if len(entry[0]) > 1), key=lambda entry: entry[:2])
+        described = [(holders, key, tuple(param.shape), str(param.dtype)) for holders, key, param in ordered]
         every_rank: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every_rank, sorted({holders for _, holders in local if len(holders) > 1}))
-        groups = {holders: dist.new_group(list(holders)) for holders in sorted({h for ranks in every_rank for h in ranks})}
-        self.entries = [(param, holders, groups[holders]) for param, holders in local if len(holders) > 1]
+        dist.all_gather_object(every_rank, described)
+        _check_holders_agree(every_rank)
+        groups = {holders: dist.new_group(list(holders))
+                  for holders in sorted({entry[0] for ranks in every_rank for entry in ranks})}
+        self.entries = [(param, holders, groups[holders]) for holders, _, param in ordered]
 
     def __bool__(self) -> bool:
         return bool(self.entries)
@@ -67,6 +72,22 @@ class SharedParameters:
                             f"the all-reduce of a shared parameter's gradient among ranks {holders} (a holder where "
                             "it does not require grad skips it: freeze it alike on every rank that holds it, under "
                             "each of its names there)"))
+
+
+def _check_holders_agree(every_rank: list[list[tuple]]) -> None:
+    """Every holder of a shared parameter lists it under the same key, shape and dtype, among the same holders."""
+    for rank, described in enumerate(every_rank):
+        for holders, *parameter in described:
+            for other in holders:
+                if (holders, *parameter) not in every_rank[other]:
+                    key, shape, dtype = parameter
+                    found = [entry[1:] for entry in every_rank[other] if entry[0] == holders]
+                    raise ValueError(
+                        f"Pipeline: rank {rank} shares a parameter with ranks {holders} under the key {key!r} "
+                        f"{shape} {dtype}, and rank {other} holds no such parameter among them (it has {found}): "
+                        "shared parameters pair by the name the lowest stage gives them (split's "
+                        "shared_parameter_keys, or the stages' own names); split every rank's stages from the same "
+                        "model, or name a parameter shared by hand-made stages alike on each")
 
 
 class DataParallelGrads:

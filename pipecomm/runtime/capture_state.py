@@ -33,6 +33,10 @@ class CaptureState:
         self._state = _state(self._modules)
         self._attributes = [(inner, name, value) for inner in self._modules
                             for name, value in vars(inner).items() if _watched(value)]
+        # A stage cut by split: the checks of the values its captured code read, and which capture they pick (its
+        # training mode, where split captured both).
+        self._read_checks = [hook for hook in module._forward_pre_hooks.values() if hasattr(hook, "changed")]
+        self._picked = [hook.picked() for hook in self._read_checks]
 
     def changed(self) -> list[str]:
         """What the replays would miss (empty: nothing): a parameter or buffer moved to other memory, a parameter
@@ -40,9 +44,9 @@ class CaptureState:
         temperature, a cached tensor replaced), autocast or grad mode, a kernel setting. Cheap enough for every step: a few reads per
         parameter, buffer and attribute."""
         changed = [name for name, old, new in zip(_PARTS, self._state, _state(self._modules)) if old != new]
-        # A stage cut by split: the values its captured code read (a config's), which the stage checks at each call.
-        read = [text for hook in self.module._forward_pre_hooks.values() if hasattr(hook, "changed")
-                for text in hook.changed()]
+        read = [text for hook in self._read_checks for text in hook.changed()]
+        if [hook.picked() for hook in self._read_checks] != self._picked:
+            read.append("training mode, which the model's own code outside its stages reads")
         return changed + read + [f"{type(inner).__name__}.{name} (was {_shown(value)})"
                                  for inner, name, value in self._attributes
                                  if not _same_value(inner.__dict__.get(name, _MISSING), value)]

@@ -38,8 +38,9 @@ def checkpoint_stages(modules: list[nn.Module], recompute: bool | Callable[[nn.M
     picked = list(modules) if recompute is True else _outermost(modules, recompute)
     originals = []
     for module in {id(module): module for module in picked}.values():
-        originals.append((module, module.__dict__.get("forward", _MISSING)))
-        module.forward = _checkpointed(module.forward, module)
+        own = module.__dict__.get("forward", _MISSING)
+        originals.append((module, own))
+        module.forward = _checkpointed(None if own is _MISSING else own, module)
 
     def undo() -> None:
         for module, forward in originals:
@@ -76,7 +77,9 @@ def _outermost(modules: list[nn.Module], pick: Callable[[nn.Module], bool]) -> l
     return chosen
 
 
-def _checkpointed(forward: Callable, module: nn.Module) -> Callable:
+def _checkpointed(own_forward: Callable | None, module: nn.Module) -> Callable:
+    """``module``'s forward (its own attribute, or None: its class's, looked up at each call, which a stage cut by
+    split changes with the model's training mode), recomputed in the backward."""
     norms = [norm for norm in module.modules() if isinstance(norm, nn.modules.batchnorm._BatchNorm)]
     in_norms = {id(buffer) for norm in norms for buffer in norm.buffers(recurse=False)}
     others = [(name, buffer) for name, buffer in module.named_buffers() if id(buffer) not in in_norms]
@@ -88,7 +91,9 @@ def _checkpointed(forward: Callable, module: nn.Module) -> Callable:
 
         def replay(*leaves):
             args, kwargs = pytree.tree_unflatten(list(leaves), spec)
-            return forward(*args, **kwargs)
+            if own_forward is None:
+                return type(module).forward(module, *args, **kwargs)
+            return own_forward(*args, **kwargs)
 
         if (others or any(norm.training and norm.track_running_stats for norm in norms)) and \
                 not torch.compiler.is_compiling():

@@ -18,9 +18,10 @@ import collections
 import contextlib
 import copy
 import inspect
+import itertools
 import operator
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,14 +48,16 @@ class CapturedStage(torch.fx.GraphModule):
 
     Attributes (as on ``StageModule``): ``stage_index``, ``num_stages``, ``layer_names`` (the
     units this stage calls, by qualified name), ``shared_parameters`` (names of parameters other
-    stages hold too, mapped to the stages holding them), ``boundary_names`` (what this stage sends
-    to the next, as graph value names).
+    stages hold too, mapped to the stages holding them), ``shared_parameter_keys`` (the same names
+    mapped to each one's name on its lowest stage), ``boundary_names`` (what this stage sends to the
+    next, as graph value names).
     """
 
     stage_index: int
     num_stages: int
     layer_names: tuple[str, ...]
     shared_parameters: dict[str, tuple[int, ...]]
+    shared_parameter_keys: dict[str, str]
     boundary_names: tuple[str, ...]
 
     def original_names(self) -> dict[str, str]:
@@ -70,6 +73,14 @@ class CapturedStage(torch.fx.GraphModule):
                 hook.set_training(mode)
         return self
 
+    def __call__(self, *args, **kwargs):
+        modes = self.__dict__.get("_modes")
+        if modes is not None:
+            picked = modes.check.picked()
+            if picked is not None and self.graph is not modes.graphs[picked]:
+                self.graph = modes.graphs[picked]  # its code compiled anew: once per change of mode
+        return super().__call__(*args, **kwargs)
+
     def __deepcopy__(self, memo: dict) -> CapturedStage:
         """A copy (an EMA or teacher model, AveragedModel) that is a stage as this one is. torch's GraphModule copy
         would fail on the fake tensors in the nodes' metadata (shared here: the copy's graph is the same), and drops
@@ -84,11 +95,27 @@ class CapturedStage(torch.fx.GraphModule):
             memo[id(shared)] = shared
         copied = super().__deepcopy__(memo)
         copied.__class__.__name__ = type(self).__name__
-        for name in ("stage_index", "num_stages", "layer_names", "shared_parameters", "boundary_names"):
+        for name in ("stage_index", "num_stages", "layer_names", "shared_parameters", "shared_parameter_keys",
+                     "boundary_names"):
             setattr(copied, name, copy.deepcopy(getattr(self, name), memo))
         for hook in checks:
             copied.register_forward_pre_hook(hook, with_kwargs=True)
+        modes = self.__dict__.get("_modes")
+        if modes is not None:
+            graphs = tuple(copied.graph if graph is self.graph else copy.deepcopy(graph, memo)
+                           for graph in modes.graphs)
+            for graph in graphs:
+                _attach_attributes(copied, graph, self, lambda value: copy.deepcopy(value, memo))
+            copied._modes = _Modes(modes.check, graphs)
         return copied
+
+
+class _Modes:
+    """A stage's two captures, as the model's training flags that its code reads were at split and flipped, and the
+    check that says which one they pick."""
+
+    def __init__(self, check: ReadValuesCheck, graphs: tuple[torch.fx.Graph, torch.fx.Graph]):
+        self.check, self.graphs = check, graphs
 
 
 def capture_split(
@@ -114,23 +141,35 @@ def capture_split(
             exported = capture()
         if not any(read.changed() for read in reads):
             break
-    reads = mattering(reads, lambda: capture().graph_module.code, exported.graph_module.code)
-    graph = _outline_units(exported, set(units))
-    try:
-        placement = _place(graph, stage_of, num_stages)
-    except _DataFlowAgainstStages:  # its message names source lines: capture again, recording them
-        exported = capture(stack_traces=True)
+    reads, other_mode = mattering(reads, capture, exported.graph_module.code)
+
+    def cut(exported: torch.export.ExportedProgram, described: bool = True) -> list[CapturedStage]:
         graph = _outline_units(exported, set(units))
-        placement = _place(graph, stage_of, num_stages)
-    built = _cut(model, exported, graph, placement, num_stages, device)
+        try:
+            placement = _place(graph, stage_of, num_stages)
+        except _DataFlowAgainstStages:
+            if not described:
+                raise
+            # Its message names source lines: captured again, recording them, to raise it so.
+            _place(_outline_units(capture(stack_traces=True), set(units)), stage_of, num_stages)
+            raise
+        return _cut(model, exported, graph, placement, num_stages, device)
+
+    built = cut(exported)
     shared = shared_parameters(stage.named_parameters(remove_duplicate=False) for stage in built)
-    for stage, stage_shared in zip(built, shared):
-        stage.shared_parameters = stage_shared
+    for stage, (stage_shared, keys) in zip(built, shared):
+        stage.shared_parameters, stage.shared_parameter_keys = stage_shared, keys
     built[0].register_forward_pre_hook(_ArgumentCheck(model, example_args, example_kwargs, built[0], exported),
                                        with_kwargs=True)
+    # The forward's own code read training flags that change it (F.dropout(h, p, self.training)): the stages also hold
+    # the capture of the other mode, and run the one the flags pick at each call, where both cut alike.
+    others = None if other_mode is None else _other_mode_graphs(model, built, lambda: cut(other_mode, described=False))
     if reads:
-        for stage in built:
-            stage.register_forward_pre_hook(ReadValuesCheck(model, reads), with_kwargs=True)
+        check = ReadValuesCheck(model, reads, flippable=others is not None)
+        for index, stage in enumerate(built):
+            stage.register_forward_pre_hook(check, with_kwargs=True)
+            if others is not None:
+                stage._modes = _Modes(check, (stage.graph, others[index]))
     chosen = [built[index] for index in stages]
     if device is not None:
         for module in chosen:
@@ -665,6 +704,82 @@ def _cut(model, exported, graph: torch.fx.Graph, placement: dict, num_stages: in
         stages.append(module)
         received = crossing
     return stages
+
+
+def _other_mode_graphs(model: nn.Module, built: list[CapturedStage],
+                       cut_other: Callable[[], list[CapturedStage]]) -> list[torch.fx.Graph] | None:
+    """Each stage's graph cut from the capture of the model's other training mode, its attributes (constants) attached
+    to the stage; None where that capture cuts otherwise than ``built`` (another number or kind of values crossing a
+    boundary, another module called, a parameter or buffer the stage does not hold), which then keeps one mode."""
+    try:
+        others = cut_other()
+    except Exception:  # noqa: BLE001 - its data flow goes against the stages: the stages keep the captured mode
+        return None
+    for stage, other in zip(built, others):
+        if _interface(stage.graph) != _interface(other.graph):
+            return None
+        for node in other.graph.nodes:
+            if node.op == "call_module" and _resolved(stage, node.target) is not _resolved(other, node.target):
+                return None
+            if (node.op == "get_attr" and _resolved(stage, node.target) is not _resolved(other, node.target)
+                    and _resolved(model, node.target) is not _MISSING):
+                return None
+    for stage, other in zip(built, others):
+        _attach_attributes(stage, other.graph, other, lambda value: value)
+    return [other.graph for other in others]
+
+
+def _interface(graph: torch.fx.Graph) -> tuple:
+    """What a stage's callers and the next stage see of its graph: its inputs' and outputs' kinds, dtypes and ranks,
+    and the output's structure."""
+    def kind(node) -> tuple:
+        value = node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+        if isinstance(value, torch.Tensor):
+            return ("tensor", value.dtype, value.dim())
+        return (type(value).__name__,)
+
+    output = next(node for node in graph.nodes if node.op == "output")
+    return (tuple(kind(node) for node in graph.nodes if node.op == "placeholder"),
+            tuple(kind(leaf) for leaf in pytree.tree_leaves(output.args[0])),
+            graph._codegen.pytree_info.out_spec)
+
+
+_MISSING = object()
+
+
+def _resolved(module: nn.Module, target: str) -> Any:
+    value = module
+    for part in target.split("."):
+        value = getattr(value, part, _MISSING)
+        if value is _MISSING:
+            break
+    return value
+
+
+def _attach_attributes(stage: nn.Module, graph: torch.fx.Graph, source: nn.Module, convert: Callable) -> None:
+    """The constants ``graph`` reads that ``stage`` lacks, taken from ``source`` (through ``convert``) as
+    non-persistent buffers or plain attributes; one that ``stage`` holds under the same name as another object (a
+    constant of the other capture) is attached under a new name, which the graph then reads."""
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = convert(_resolved(source, node.target))
+        held = _resolved(stage, node.target)
+        if held is value:
+            continue
+        if held is not _MISSING:
+            node.target = next(name for name in (f"_pipecomm_other_mode_{n}" for n in itertools.count())
+                               if _resolved(stage, name) is _MISSING)
+        *path, field = node.target.split(".")
+        owner = stage
+        for part in path:
+            if _resolved(owner, part) is _MISSING:
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            owner.register_buffer(field, value, persistent=False)
+        else:
+            setattr(owner, field, value)
 
 
 def _local(graph: torch.fx.Graph, env: dict, arg: torch.fx.Node) -> torch.fx.Node:

@@ -35,6 +35,8 @@ class StageModule(nn.Module):
             layers on other stages (a tied embedding and head), mapped to the sorted indices of every
             stage holding it. Their gradients must be summed across those stages before an
             optimizer step; ``split`` only reports them.
+        shared_parameter_keys: the same names mapped to each parameter's name on the lowest stage
+            holding it, the same on every holder.
     """
 
     def __init__(
@@ -43,12 +45,14 @@ class StageModule(nn.Module):
         stage_index: int,
         num_stages: int,
         shared_parameters: dict[str, tuple[int, ...]],
+        shared_parameter_keys: dict[str, str] | None = None,
     ):
         super().__init__()
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.layer_names = tuple(name for name, _ in layers)
         self.shared_parameters = shared_parameters
+        self.shared_parameter_keys = shared_parameter_keys or {name: name for name in shared_parameters}
         for name, layer in layers:
             container_name, _, leaf_name = name.rpartition(".")
             top_name = container_name or leaf_name
@@ -170,7 +174,7 @@ def split(
         if device is not None:
             for _, layer in layers_of_stage[index]:
                 layer.to(device)
-        modules.append(StageModule(layers_of_stage[index], index, num_stages, shared[index]))
+        modules.append(StageModule(layers_of_stage[index], index, num_stages, *shared[index]))
     return modules if isinstance(stage, Sequence) else modules[0]
 
 

@@ -2,7 +2,8 @@
 while torch.export traces it, and checked again before every call of a stage cut from it.
 
 The capture turns every such read into a constant: ``F.dropout(h, 0.1, self.training)`` in a model's forward, outside
-its annotated modules, is a dropout or nothing for good, whatever ``model.eval()`` says later. The annotated modules
+its annotated modules, is a dropout or nothing in that capture, whatever ``model.eval()`` says later; split captures
+the other mode too where the training flags change the code, and the flags pick one at each call. The annotated modules
 are called as the user's own objects and read their attributes at each call; only the code around them is frozen.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -126,28 +128,37 @@ def _recording_class(original: type) -> type:
     return _SUBCLASSES[original]
 
 
-def mattering(reads: list[ValueRead], capture_again: Callable[[], str], captured: str) -> list[ValueRead]:
-    """``reads`` but the ``training`` flags whose other value the capture would not notice: they are flipped and the
-    forward captured again (``capture_again``, its code), all at once, then, if that changed the code or failed, one
-    by one; a flag whose flip leaves ``captured`` as it was goes unwatched, so that ``model.eval()`` stays free where
-    the forward only warns by it. Other values stay watched without a second capture (a capture's time each)."""
-    flags = [read for read in reads if read.name == "training"]
+def mattering(reads: list[ValueRead], capture_again: Callable[[], Any], captured: str) -> tuple[list[ValueRead], Any]:
+    """``reads`` but the ``training`` flags whose other value the capture would not notice, and the capture with the
+    remaining flags flipped (None where none remains or the forward cannot run so): the code the model's other mode
+    runs. The flags are flipped and the forward captured again (``capture_again``, a program with ``.graph_module``),
+    all at once, then, if that changed the code or failed, one by one; a flag whose flip leaves ``captured`` as it was
+    goes unwatched, so that ``model.eval()`` stays free where the forward only warns by it. Other values stay watched
+    without a second capture (a capture's time each)."""
+    flags = [read for read in reads if _training_flag(read)]
     if not flags:
-        return reads
-    if _same_capture(flags, capture_again, captured):
-        return [read for read in reads if read not in flags]
+        return reads, None
+    flipped = _captured_flipped(flags, capture_again)
+    if flipped is not None and flipped.graph_module.code == captured:
+        return [read for read in reads if read not in flags], None
     if len(flags) == 1:
-        return reads
-    return [read for read in reads if read not in flags or not _same_capture([read], capture_again, captured)]
+        return reads, flipped
+    alone = {read: _captured_flipped([read], capture_again) for read in flags}
+    watched = [read for read in flags if alone[read] is None or alone[read].graph_module.code != captured]
+    if len(watched) == 1:
+        flipped = alone[watched[0]]
+    elif len(watched) < len(flags):
+        flipped = _captured_flipped(watched, capture_again)
+    return [read for read in reads if read not in flags or read in watched], flipped
 
 
-def _same_capture(flags: list[ValueRead], capture_again: Callable[[], str], captured: str) -> bool:
+def _captured_flipped(flags: list[ValueRead], capture_again: Callable[[], Any]) -> Any:
     for read in flags:
         vars(read.owner)[read.name] = not read.value
     try:
-        return capture_again() == captured
+        return capture_again()
     except Exception:  # noqa: BLE001 - a forward that cannot run with them flipped depends on them
-        return False
+        return None
     finally:
         for read in flags:
             vars(read.owner)[read.name] = read.value
@@ -155,33 +166,54 @@ def _same_capture(flags: list[ValueRead], capture_again: Callable[[], str], capt
 
 class ReadValuesCheck:
     """A stage's forward pre-hook: refuses a call once a value the capture read has changed, naming it; the stage
-    would compute what the capture saw."""
+    would compute what the capture saw. The ``training`` flags among them may all take their other value where split
+    captured the forward in both modes (``flippable``): the stage then runs that capture (``picked``)."""
 
-    def __init__(self, model: nn.Module, reads: list[ValueRead]):
+    def __init__(self, model: nn.Module, reads: list[ValueRead], flippable: bool):
         self.model_name = type(model).__name__
         self.reads = reads
+        self.flags = [read for read in reads if _training_flag(read)]
+        self.flippable = flippable
+
+    def picked(self) -> int | None:
+        """Which capture the training flags read pick: 0 the one split kept (all as they were), 1 the other mode's
+        (all flipped, where split captured it); None where neither holds (some flipped, some not)."""
+        flipped = sum(read.changed() for read in self.flags)
+        if not flipped:
+            return 0
+        return 1 if self.flippable and flipped == len(self.flags) else None
 
     def changed(self) -> list[str]:
-        """The values read that have changed since the capture, described."""
-        return [read.describe() for read in self.reads if read.changed()]
+        """The values read that have changed since the capture, described: the training flags where they pick no
+        capture."""
+        flags_fit = self.picked() is not None
+        return [read.describe() for read in self.reads
+                if read.changed() and not (flags_fit and read in self.flags)]
 
     def set_training(self, mode: bool) -> None:
         """A stage's ``train(mode)``: the training flags the capture read (the model's own modules outside the stage,
-        as ``model.train(mode)`` would set them), so that a flip the capture depends on is refused, not ignored."""
-        for read in self.reads:
-            if read.name == "training" and isinstance(read.owner, nn.Module):
-                read.owner.training = mode
+        as ``model.train(mode)`` would set them), so that the stage runs as after ``model.train(mode)``."""
+        for read in self.flags:
+            read.owner.training = mode
 
     def __call__(self, module, args, kwargs):
         changed = self.changed()
         if changed:
+            mixed = self.flippable and any(read.changed() for read in self.flags)
             raise ValueError(
                 f"split captured {self.model_name}.forward's own code (outside the modules that run whole on a stage) "
                 "with these values as constants, and they have changed since: "
                 + "; ".join(changed)
+                + (". It was captured in training and in eval mode, with these flags all True or all False"
+                   if mixed else "")
                 + ". The stages would compute what the capture saw. Set them before split, move what reads them into "
                 "a module (nn.Dropout rather than F.dropout(x, p, self.training)), or split the model again after "
                 "the change (a Pipeline of its own)")
+
+
+def _training_flag(read: ValueRead) -> bool:
+    """A module's ``training``, which ``model.train()`` / ``model.eval()`` set (a config's is a value as any other)."""
+    return read.name == "training" and isinstance(read.owner, nn.Module)
 
 
 def _same(now: object, then: object) -> bool:

@@ -29,14 +29,19 @@ def annotated_stages(model: nn.Module, num_stages: int) -> dict[str, int | None]
 
 def shared_parameters(
     named_parameters_of_stage: Iterable[Iterable[tuple[str, nn.Parameter]]],
-) -> list[dict[str, tuple[int, ...]]]:
+) -> list[tuple[dict[str, tuple[int, ...]], dict[str, str]]]:
     """For each stage's named parameters, given in stage order, those whose Parameter object another stage holds
-    too, mapped to the sorted indices of every stage holding it: a stage module's ``shared_parameters``, whose
-    gradients the runtime sums across those stages."""
+    too: mapped to the sorted indices of every stage holding it (a stage module's ``shared_parameters``, whose
+    gradients the runtime sums across those stages), and to its name on the lowest of them (its
+    ``shared_parameter_keys``: the same on every holder, which pairs the holders' reductions of each parameter
+    where its names differ, a tied embedding and head)."""
     named_of_stage = [list(named) for named in named_parameters_of_stage]
     holders: dict[int, set[int]] = collections.defaultdict(set)
+    first_name: dict[int, str] = {}
     for stage, named in enumerate(named_of_stage):
-        for _, param in named:
+        for name, param in named:
             holders[id(param)].add(stage)
-    return [{name: tuple(sorted(holders[id(param)])) for name, param in named if len(holders[id(param)]) > 1}
+            first_name.setdefault(id(param), name)
+    return [({name: tuple(sorted(holders[id(param)])) for name, param in named if len(holders[id(param)]) > 1},
+             {name: first_name[id(param)] for name, param in named if len(holders[id(param)]) > 1})
             for named in named_of_stage]
