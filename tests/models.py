@@ -70,6 +70,26 @@ def bart(num_stages: int):
     return model
 
 
+class EmbeddingDropoutLM(nn.Module):
+    """A small language model whose own forward drops out its embeddings by its training flag, as BART's and
+    Whisper's do: functional code between the stages that changes with ``model.eval()``."""
+
+    def __init__(self, num_stages: int):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(2 * num_stages))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+        self.embed.pipeline_stage, self.head.pipeline_stage = 0, num_stages - 1
+        for index, block in enumerate(self.blocks):
+            block.pipeline_stage = index // 2
+
+    def forward(self, tokens):
+        h = nn.functional.dropout(self.embed(tokens), 0.3, self.training)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(nn.functional.dropout(h, 0.1, self.training))
+
+
 def llama(num_stages: int, layers: int = 4):
     """A tiny transformers Llama (rotary embeddings, grouped-query attention), annotated on its own submodules."""
     from transformers import LlamaConfig, LlamaForCausalLM
