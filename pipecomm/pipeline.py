@@ -39,7 +39,7 @@ from torch import nn
 from pipecomm import transport
 from pipecomm.parallel.gradient_finalizer import GradientFinalizer
 from pipecomm.parallel.grad_sync import SharedParameters
-from pipecomm.parallel.mesh import global_rank
+from pipecomm.parallel.mesh import failure_scope, global_rank
 from pipecomm.parallel.sharded_stages import ShardedStages
 from pipecomm.runtime import fail_fast, microbatch, stage_state, step_trace
 from pipecomm.runtime.checks import (check_configuration, check_options, checked_batch_dim, graph_mode, module_device,
@@ -135,7 +135,8 @@ class Pipeline:
         self.stages = sorted(stages)
         # First, so that a failure while building is published and peers waiting to connect stop at once.
         fail_fast.install()
-        self.calls = fail_fast.CallProtocol(self.rank, global_rank(group, self.rank), self.stages, self._abort)
+        self.calls = fail_fast.CallProtocol(self.rank, global_rank(group, self.rank), self.stages, self._abort,
+                                            failure_scope(group, data_group) if dist.is_initialized() else None)
         self._links = NeighbourLinks()
         self._prepared: PreparedStages | None = None
         with self.calls.failing("building the Pipeline"):

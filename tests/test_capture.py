@@ -555,3 +555,49 @@ def test_inputs_the_capture_does_not_hold_for_are_refused():
     with raises("split: these inputs do not fit the captured forward: Expected input at *args[0].shape[1] to be "
                 "equal to 8, but got 9. The capture holds for that size only"):
         stages[0](torch.randn(2, 9))  # the Linear layers fixed the feature dimension at 8
+
+
+class TakesStructures(nn.Module):
+    """A forward whose arguments are a dict and a list of tensors, and a mask that may be left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
+
+    def forward(self, batch, extras, mask=None):
+        h = self.first(batch["x"]) * batch["w"] + extras[0]
+        if mask is not None:
+            h = h.masked_fill(mask, 0.0) if mask.dtype == torch.bool else h * mask
+        return self.second(h)
+
+
+def structured_example(batch: int, mask=None) -> tuple:
+    return ({"x": torch.randn(batch, 4), "w": torch.randn(batch, 4)}, [torch.randn(batch, 4)]), \
+        ({} if mask is None else {"mask": mask})
+
+
+def test_arguments_that_are_structures_of_tensors_are_split():
+    # Stage 0's code took its arguments by the names of their leaves: forward() missing 'batch_w', for any nested one.
+    model = TakesStructures()
+    args, kwargs = structured_example(2)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=args, example_kwargs=kwargs)
+    args, kwargs = structured_example(3)
+    torch.testing.assert_close(chain(stages, *args, **kwargs), model(*args, **kwargs), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("captured", "called", "message"), [
+    (None, torch.ones(3, 4), "the input mask is a torch.float32 tensor, where the example split captured was None"),
+    (torch.ones(2, 4), torch.zeros(3, 4, dtype=torch.bool),
+     "the input mask is a torch.bool tensor, where the example split captured was a torch.float32 tensor"),
+], ids=["none-then-tensor", "dtype"])
+def test_an_input_captured_as_none_or_of_another_dtype_is_refused(captured, called, message):
+    # A mask given where the example had None was dropped (the captured code never reads it), and a model branching
+    # on a mask's dtype kept the example's branch: both silently.
+    model = TakesStructures()
+    args, kwargs = structured_example(2, captured)
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=args,
+                            example_kwargs={"mask": None} if captured is None else kwargs)
+    args, _ = structured_example(3)
+    with raises(message):
+        stages[0](*args, mask=called)

@@ -556,25 +556,55 @@ def test_a_reentrant_checkpoint_where_gradients_are_asked_for_by_name_is_refused
 # -- the caller's tensors that require grad ----------------------------------------------------------
 
 
+class TemperedLoss(nn.Module):
+    """A loss that holds parameters of its own (a head and a learned temperature), trained with the pipeline."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(HIDDEN, HIDDEN)
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, output, target):
+        return mse(self.head(output) / self.temperature, target)
+
+
+class UnregisteredScale(nn.Module):
+    """A scale trained as a plain tensor attribute, no parameter of the module (kept so, or in a Python list)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.full((HIDDEN,), 1.5, requires_grad=True)
+
+    def forward(self, x):
+        return x * self.scale
+
+
 def data_gradients(rank: int, world_size: int, options: dict) -> list[str]:
-    """A step of every schedule whose inputs and targets require grad: their gradients, the parameters' and the
-    loss equal one process's, where loss.backward() sends gradients into the caller's graph too."""
+    """A step of every schedule whose inputs and targets require grad, with a loss_fn that holds parameters and
+    stages that train a tensor of no module's parameters: their gradients, the parameters' and the loss equal one
+    process's, where loss.backward() sends gradients into the caller's graph and into every leaf too."""
     checked = []
     for schedule, chunks in SCHEDULES:
         num_stages = world_size * chunks
         torch.manual_seed(0)
-        stages = [nn.Sequential(Block(), nn.Tanh()) for _ in range(num_stages)]
-        reference = copy.deepcopy(stages)
+        stages = [nn.Sequential(Block(), nn.Tanh(), UnregisteredScale()) for _ in range(num_stages)]
+        loss_fn = TemperedLoss()
+        reference, ref_loss_fn = copy.deepcopy(stages), copy.deepcopy(loss_fn)
         mine = held_stages(schedule, world_size, 4, chunks, rank)
-        pipe = pipecomm.Pipeline([stages[s] for s in mine], stage=mine, num_stages=num_stages, loss_fn=mse,
+        pipe = pipecomm.Pipeline([stages[s] for s in mine], stage=mine, num_stages=num_stages, loss_fn=loss_fn,
                                  micro_batches=4, schedule=schedule, timeout=30, **options)
         (x,), kwargs, target = float_batch(0)
         ref_x, ref_target = x.clone().requires_grad_(), target.clone().requires_grad_()
         loss = pipe.step(x.requires_grad_(), target=target.requires_grad_())
         pipe.close()
-        torch.testing.assert_close(loss, one_process(reference, (ref_x,), kwargs, ref_target, mse), **TOLERANCE)
-        for name, data, ref, held in (("input", x, ref_x, 0 in mine), ("target", target, ref_target,
-                                                                       num_stages - 1 in mine)):
+        torch.testing.assert_close(loss, one_process(reference, (ref_x,), kwargs, ref_target, ref_loss_fn),
+                                   **TOLERANCE)
+        last = num_stages - 1 in mine
+        for name, data, ref, held in (("input", x, ref_x, 0 in mine), ("target", target, ref_target, last),
+                                      *((f"loss_fn's {name}", param, ref, last) for (name, param), ref in
+                                        zip(loss_fn.named_parameters(), ref_loss_fn.parameters())),
+                                      *((f"stage {s}'s scale", stages[s][2].scale, reference[s][2].scale, s in mine)
+                                        for s in range(num_stages))):
             if held:
                 torch.testing.assert_close(data.grad, ref.grad, **TOLERANCE, msg=f"{schedule}: the {name}'s gradient")
             else:  # another rank's stage reads it
@@ -588,9 +618,10 @@ def data_gradients(rank: int, world_size: int, options: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("options", [{}, {"main_grad": True}], ids=["grad", "main_grad"])
-def test_inputs_and_targets_that_require_grad_get_one_process_gradients(tmp_path, options):
+def test_inputs_targets_and_a_loss_fns_parameters_get_one_process_gradients(tmp_path, options):
     """Every schedule, whether autograd accumulates the parameters' gradients (1f1b into .grad) or the pipeline adds
-    them (zero-bubble, main_grad): the first stage's inputs and the last stage's targets get theirs."""
+    them (zero-bubble, main_grad): the first stage's inputs and the last stage's targets get theirs, and so do the
+    parameters loss_fn holds (zero-bubble and main_grad dropped theirs, silently)."""
     names = [name for name, _ in SCHEDULES]
     assert run_ranks(2, data_gradients, tmp_path, options, timeout=120) == [names, names]
 

@@ -452,6 +452,54 @@ def test_overlapping_calls_from_two_threads_are_refused(tmp_path):
         assert "Pipelines are not thread-safe" in message, message
 
 
+def disjoint_pipelines(rank: int, world_size: int) -> str:
+    """Two models' Pipelines on ranks {0, 1} and {2, 3} of one job, each its job's first: the second's failure is its
+    own; the first goes on (an inference that only sends, the all-reduce of clipping, a step)."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    stage = dist.get_rank(group)
+
+    def loss_fn(output, target):
+        if rank == 3:
+            raise ArithmeticError("the other model's loss failed")
+        return nn.functional.mse_loss(output, target)
+
+    pipe = pipecomm.Pipeline(chain(2)[stage], stage=stage, num_stages=2, loss_fn=loss_fn, micro_batches=2, group=group,
+                             timeout=30)
+    x, y = data()
+    if rank >= 2:
+        with pytest.raises((ArithmeticError, failure.PeerFailedError), match="the other model's loss failed"):
+            pipe.step(x, target=y)
+        dist.barrier()
+        return "failed"
+    dist.barrier()  # the other model has failed
+    pipe.forward(x)
+    pipe.clip_grad_norm_(1.0)
+    pipe.step(x, target=y)
+    pipe.close()
+    return "ok"
+
+
+def test_a_failure_stops_the_pipelines_it_concerns_only(tmp_path):
+    # A failure note was keyed by the Pipeline's number alone: the first Pipeline of ranks {0, 1} raised the failure of
+    # the first Pipeline of ranks {2, 3}, another model's, and closed for good.
+    assert run_ranks(4, disjoint_pipelines, tmp_path, timeout=60) == ["ok", "ok", "failed", "failed"]
+
+
+def test_a_pipeline_call_nested_in_another_is_refused_saying_so():
+    # It was refused as calls from two threads, naming the main thread twice.
+    inner = pipecomm.Pipeline(chain(1), stage=0, num_stages=1, loss_fn=nn.functional.mse_loss, micro_batches=2)
+    outer = pipecomm.Pipeline(chain(1), stage=0, num_stages=1, micro_batches=2,
+                              loss_fn=lambda output, target: nn.functional.mse_loss(inner.forward(output), target))
+    with pytest.raises(RuntimeError, match=r"forward was called inside another Pipeline call \(thread 'MainThread' is in "
+                                           r"step of the Pipeline of rank 0\), from its loss_fn, a stage's forward or a "
+                                           "hook: Pipeline calls cannot nest"):
+        x, y = data()
+        outer.step(x, target=y)
+
+
 EXIT_SCRIPT = """
 import torch, torch.distributed as dist
 from torch import nn

@@ -36,10 +36,11 @@ class _HostBound:
 
 
 def _train(monkeypatch, schedule: str, stages: int, cuda_graphs, steps: int = 6,
-           zero_grad: bool = True, data_grads: bool = False) -> pipecomm.Pipeline:
+           zero_grad: bool = True, data_grads: bool = False, loss_temperature: bool = False) -> pipecomm.Pipeline:
     """``steps`` steps of a one-rank Pipeline whose stages replay stand-in graphs (with two stages on the rank, a
     Linear tied across them), losses and gradients equal one process's every step (without ``zero_grad``, summed
-    over the steps; with ``data_grads``, the inputs' and targets' too, which require grad); the Pipeline."""
+    over the steps; with ``data_grads``, the inputs' and targets' too, which require grad; with
+    ``loss_temperature``, that of a temperature loss_fn holds); the Pipeline."""
     monkeypatch.setattr(graph_runner, "PassTimer", _HostBound)
     monkeypatch.setattr(_HostBound, "watched", True)
     # "auto" passes the Pipeline's check of a CPU device; the runners get the mode asked for.
@@ -49,17 +50,24 @@ def _train(monkeypatch, schedule: str, stages: int, cuda_graphs, steps: int = 6,
     modules = ([nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))] if stages == 1 else
                [nn.Sequential(tied, nn.Tanh(), nn.Linear(8, 8)), nn.Sequential(nn.Tanh(), tied, nn.Linear(8, 4))])
     reference = copy.deepcopy(nn.Sequential(*modules))
+    temperature = nn.Parameter(torch.tensor(2.0), requires_grad=loss_temperature)
+    ref_temperature = temperature.detach().clone().requires_grad_(loss_temperature)
     pipe = pipecomm.Pipeline(modules if stages > 1 else modules[0], stage=list(range(stages)) if stages > 1 else 0,
-                             num_stages=stages, micro_batches=4, loss_fn=nn.functional.mse_loss, schedule=schedule)
+                             num_stages=stages, micro_batches=4, schedule=schedule,
+                             loss_fn=lambda output, target: nn.functional.mse_loss(output / temperature, target))
     for step in range(steps):
         x, y = torch.randn(16, 8, requires_grad=data_grads), torch.randn(16, 4, requires_grad=data_grads)
         ref_x, ref_y = x.detach().requires_grad_(data_grads), y.detach().requires_grad_(data_grads)
         loss = pipe.step(x, target=y)
-        expected = sum(nn.functional.mse_loss(reference(a), b) / 4 for a, b in zip(ref_x.chunk(4), ref_y.chunk(4)))
+        expected = sum(nn.functional.mse_loss(reference(a) / ref_temperature, b) / 4
+                       for a, b in zip(ref_x.chunk(4), ref_y.chunk(4)))
         expected.backward()
         torch.testing.assert_close(loss, expected.detach(), **TOLERANCE)
         for data, ref in ((x, ref_x), (y, ref_y)) if data_grads else ():
             torch.testing.assert_close(data.grad, ref.grad, **TOLERANCE, msg=f"the data's gradient, step {step}")
+        if loss_temperature:
+            torch.testing.assert_close(temperature.grad, ref_temperature.grad, **TOLERANCE)
+            temperature.grad = ref_temperature.grad = None
         for param, ref in zip(nn.Sequential(*modules).parameters(), reference.parameters()):
             torch.testing.assert_close(param.grad, ref.grad, **TOLERANCE, msg=f"step {step}")
             if zero_grad:
@@ -103,6 +111,19 @@ def test_inputs_and_targets_that_require_grad_run_eagerly_or_are_refused(monkeyp
     assert StandInGraph.replays == 0
     with pytest.raises(ValueError, match="of the caller's input or target tensors require grad"):
         _train(monkeypatch, schedule, stages, True, data_grads=True)
+
+
+@pytest.mark.parametrize(("schedule", "stages"), [("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)])
+def test_a_loss_fn_holding_parameters_runs_its_stage_eagerly_or_is_refused(monkeypatch, schedule, stages):
+    """Parameters that loss_fn holds get their gradients outside the stage's, which no CUDA graph returns: "auto"
+    leaves the last stage eager, exact every step; cuda_graphs=True refuses it by name."""
+    stand_in_graphs(monkeypatch)
+    pipe = _train(monkeypatch, schedule, stages, "auto", loss_temperature=True)
+    assert pipe.cuda_graph_states[stages - 1].startswith("eager: its forward or loss_fn reaches 1 tensor(s) requiring "
+                                                         "grad that are none of the stage's parameters"), \
+        pipe.cuda_graph_states
+    with pytest.raises(ValueError, match="its forward or loss_fn reaches 1 tensor"):
+        _train(monkeypatch, schedule, stages, True, loss_temperature=True)
 
 
 def test_a_failed_check_of_stages_captured_together_leaves_both_eager(monkeypatch):

@@ -322,13 +322,33 @@ class RunningMean(nn.Module):
         return self.linear(x - self.mean)
 
 
-@pytest.mark.parametrize("recompute", [True, lambda module: isinstance(module, RunningMean)], ids=["stage", "picked"])
-def test_a_recomputation_that_changes_a_buffer_again_is_refused(recompute):
-    # It computed with the updated mean (2% off one process's loss, gradients 10-100%), silently.
-    pipe = pipecomm.Pipeline(nn.Sequential(RunningMean(), nn.Linear(8, 8)), stage=0, num_stages=1, micro_batches=4,
-                             loss_fn=nn.functional.mse_loss, recompute=recompute)
-    with pytest.raises(RuntimeError, match=r"recomputing RunningMean's forward changed its buffer\(s\) \['mean'\] in"
-                       if recompute is not True else r"changed its buffer\(s\) \['0.mean'\] in place again"):
+class EMATarget(nn.Module):
+    """An online network and its moving-average target, kept as frozen parameters and updated by the forward, as
+    BYOL, MoCo and DINO keep theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.online, self.target = nn.Linear(8, 8), nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for mine, online in zip(self.target.parameters(), self.online.parameters()):
+                mine.mul_(0.9).add_(online, alpha=0.1)
+        return self.online(x) + self.target(x)
+
+
+@pytest.mark.parametrize(("updating", "changed"), [(RunningMean, "'mean'"), (EMATarget, "'target.weight'")],
+                         ids=["buffer", "frozen-parameter"])
+@pytest.mark.parametrize("recompute", [True, "picked"], ids=["stage", "picked"])
+def test_a_recomputation_that_changes_a_buffer_or_frozen_parameter_again_is_refused(recompute, updating, changed):
+    # It computed with the updated values (2% off one process's loss, gradients 10-100% for the running mean;
+    # 1.4-2.8e-3 for the EMA target), silently.
+    pipe = pipecomm.Pipeline(nn.Sequential(updating(), nn.Linear(8, 8)), stage=0, num_stages=1, micro_batches=4,
+                             loss_fn=nn.functional.mse_loss,
+                             recompute=recompute if recompute is True else lambda module: isinstance(module, updating))
+    with pytest.raises(RuntimeError, match=rf"recomputing {updating.__name__}'s forward changed its buffer\(s\) or "
+                       rf"frozen parameter\(s\) \[{changed}" if recompute is not True else
+                       rf"frozen parameter\(s\) \[{changed.replace(chr(39), chr(39) + '0.', 1)}"):
         pipe.step(torch.randn(16, 8), target=torch.randn(16, 8))
 
 

@@ -94,6 +94,18 @@ def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
 
+def failure_scope(group: dist.ProcessGroup | None, data_group: dist.ProcessGroup | None) -> list[int] | None:
+    """The global ranks whose failures stop a Pipeline over ``group``: None (the whole job) for the default group or
+    a group of ``pipecomm.init``'s mesh, whose pipelines, replicas and tensor-parallel peers wait on each other; a
+    group of the caller's own and its ``data_group`` otherwise, so that another model's Pipeline fails apart."""
+    if group is None or (_mesh is not None and group in (_mesh.get_group("pp"), _mesh.get_group("dp"))):
+        return None
+    ranks = set(dist.get_process_group_ranks(group))
+    if data_group is not None:
+        ranks.update(dist.get_process_group_ranks(data_group))
+    return sorted(ranks)
+
+
 def named_mesh(names: tuple[str, ...]) -> DeviceMesh:
     """This rank's submesh of ``pipecomm.init``'s mesh with these dimension names (e.g. ("tp",))."""
     if _mesh is None:

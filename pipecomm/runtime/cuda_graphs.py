@@ -46,7 +46,8 @@ from pipecomm.runtime.graph_check import GraphCheckError, detached, largest_diff
 from pipecomm.runtime.graph_order import GraphGroup
 from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported, weight_grad
-from pipecomm.runtime.stage_runner import free_data, held_only_by_themselves, run_backward
+from pipecomm.runtime.stage_runner import (free_data, held_only_by_themselves, leaves_beside, leaves_beside_said,
+                                           run_backward)
 
 __all__: list[str] = []
 
@@ -216,8 +217,13 @@ class GraphedStage:
         finally:
             if self.store:
                 self.store.recording = None
+        made = boundary.flatten(output).tensors
+        beside = leaves_beside(made, inputs.tensors, self.module, self.store)
         if self.loss is not None:
             output = self.loss(output, *boundary.unflatten(targets.tensors, targets.layout))
+            beside += leaves_beside([output], [*made, *inputs.tensors, *targets.tensors], self.module, self.store)
+        if beside:
+            raise ValueError(f"cuda_graphs: stage {self.stage}: {leaves_beside_said(len(beside))}")
         flat = boundary.flatten(output)
         if self.loss is None and any(isinstance(tensor, DTensor) for tensor in flat.tensors):
             raise TypeError(f"cuda_graphs: stage {self.stage}'s output holds a DTensor, which a graph's static outputs "

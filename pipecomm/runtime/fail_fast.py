@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch.distributed as dist
@@ -23,12 +23,13 @@ __all__: list[str] = []
 class CallProtocol:
     """One Pipeline's calls: ``call`` wraps each public call; ``fail`` publishes a failure and aborts everything."""
 
-    def __init__(self, pipeline_rank: int, global_rank: int, stages: list[int], abort: Callable[[str], None]):
+    def __init__(self, pipeline_rank: int, global_rank: int, stages: list[int], abort: Callable[[str], None],
+                 ranks: Sequence[int] | None = None):
         self.pipeline_rank = pipeline_rank
         self.global_rank = global_rank
         self.stages = stages
         self.abort = abort  # closes the Pipeline's links at once, each peer told the reason; never raises
-        self.notes = FailureNotes()
+        self.notes = FailureNotes(ranks=ranks)  # the global ranks it works with (None: the whole job)
         self.failed: str | None = None  # the failure that closed the Pipeline
         self.closed = False
 
@@ -48,9 +49,7 @@ class CallProtocol:
         try:
             with self.failing(action):
                 if busy:
-                    raise RuntimeError(f"Pipeline rank {self.pipeline_rank}: {action} called from thread "
-                                       f"{threading.current_thread().name!r} while {busy}; Pipelines are not "
-                                       "thread-safe: calls on one process must not overlap")
+                    raise RuntimeError(f"Pipeline rank {self.pipeline_rank}: {busy}")
                 reasons = self.notes.reasons(self.global_rank) if look_up_failures else ""
                 if reasons:
                     raise PeerFailedError(f"pipeline rank {self.pipeline_rank}: cannot {action}: {reasons}")
@@ -125,22 +124,29 @@ def _shortened(text: str, limit: int = 240) -> str:
 
 
 class _CallGuard:
-    """Which Pipeline call this process is in, so that an overlapping one from another thread is refused."""
+    """Which Pipeline call this process is in, so that an overlapping one (from another thread, or nested in it) is
+    refused."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._inside: str = ""
+        self._thread: threading.Thread | None = None  # the one inside
 
     def enter(self, pipeline_rank: int, action: str) -> str:
         """Empty if this call may go ahead; otherwise the call it overlaps."""
         if not self._lock.acquire(blocking=False):
-            return self._inside or "another Pipeline call is running"
-        self._inside = (f"thread {threading.current_thread().name!r} is in {action} of the Pipeline of rank "
-                        f"{pipeline_rank}")
+            if self._thread is threading.current_thread():
+                return (f"{action} was called inside another Pipeline call ({self._inside}), from its loss_fn, a "
+                        "stage's forward or a hook: Pipeline calls cannot nest; make the inner call before or after")
+            return (f"{action} called from thread {threading.current_thread().name!r} while "
+                    f"{self._inside or 'another Pipeline call is running'}; Pipelines are not thread-safe: calls on "
+                    "one process must not overlap")
+        self._thread = threading.current_thread()
+        self._inside = (f"thread {self._thread.name!r} is in {action} of the Pipeline of rank {pipeline_rank}")
         return ""
 
     def leave(self) -> None:
-        self._inside = ""
+        self._inside, self._thread = "", None
         self._lock.release()
 
     def busy(self) -> bool:

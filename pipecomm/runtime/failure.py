@@ -30,20 +30,23 @@ class PeerFailedError(RuntimeError):
 
 
 class FailureNotes:
-    """The failure notes of the n-th Pipeline of every rank in the job: ``publish`` this rank's, look for the others'.
+    """The failure notes of the n-th Pipeline of every rank in the job: ``publish`` this rank's, look for those of
+    the ranks it works with (``ranks``, global; None: all), so that a Pipeline over other ranks (another model, its
+    n-th too) fails apart.
 
     A note is a key per failed rank plus a counter, so that looking costs one store round trip. The
     store may be gone (its host process died): then nothing is published or found, and nothing raises.
     """
 
-    def __init__(self, number: int | None = None):
+    def __init__(self, number: int | None = None, ranks: Sequence[int] | None = None):
         """The notes of a new Pipeline, or with ``number``, of the Pipeline of that number."""
         if number is None:
             number = _pipelines_begun[0]
             _pipelines_begun[0] += 1
         self.prefix = f"pipecomm/pipeline/{number}"
         self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.ranks = tuple(ranks) if ranks is not None else tuple(range(dist.get_world_size()
+                                                                         if dist.is_initialized() else 1))
 
     def publish(self, global_rank: int, text: str) -> bool:
         """Records this rank's failure; False where the store cannot be reached."""
@@ -70,7 +73,7 @@ class FailureNotes:
             return ""
         found = []
         try:
-            for rank in range(self.world_size):
+            for rank in self.ranks:
                 key = f"{self.prefix}/failed/{rank}"
                 if rank != global_rank and self.store.check([key]):
                     found.append(self.store.get(key).decode())

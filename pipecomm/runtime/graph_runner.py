@@ -32,7 +32,7 @@ from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.landing_loan import LandingLoan
 from pipecomm.runtime.rank_graphs import RankGraphs, Sample, sample_of
 from pipecomm.runtime.split_backward import WeightGradStore
-from pipecomm.runtime.stage_runner import EagerStage, MicroBatch
+from pipecomm.runtime.stage_runner import EagerStage, MicroBatch, leaves_beside_said
 from pipecomm.schedules.schedule import Schedule
 
 __all__: list[str] = []
@@ -295,6 +295,13 @@ class GraphRunner(EagerStage):
                     # A capture may follow this step: a micro-batch to capture on.
                     self._sample = sample_of(boundary.flatten((args, kwargs)), boundary.flatten(targets))
             loss = super().forward(micro_batch, args, kwargs, received, targets, callers)
+            beside = len(self.record(micro_batch).callers) - len(callers)
+            if beside and not self.off:
+                reason = leaves_beside_said(beside)
+                if not self.automatic:
+                    raise ValueError(f"cuda_graphs=True: stage {self.index}: {reason}; use cuda_graphs='auto' or "
+                                     "False")
+                self._give_up(reason)
         else:
             loss = self._graphed_forward(graphed, micro_batch, args, kwargs, received, targets)
         if timing:

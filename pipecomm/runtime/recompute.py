@@ -82,7 +82,9 @@ def _checkpointed(own_forward: Callable | None, module: nn.Module) -> Callable:
     split changes with the model's training mode), recomputed in the backward."""
     norms = [norm for norm in module.modules() if isinstance(norm, nn.modules.batchnorm._BatchNorm)]
     in_norms = {id(buffer) for norm in norms for buffer in norm.buffers(recurse=False)}
-    others = [(name, buffer) for name, buffer in module.named_buffers() if id(buffer) not in in_norms]
+    # Frozen parameters too: an EMA target kept as nn.Parameters and updated by the forward (BYOL, MoCo, DINO).
+    others = [(name, buffer) for name, buffer in module.named_buffers() if id(buffer) not in in_norms] + [
+        (name, param) for name, param in module.named_parameters() if not param.requires_grad]
 
     def run(*args, **kwargs):
         # Every tensor goes in positionally, keyword ones included: checkpoint saves only its positional
@@ -109,8 +111,9 @@ def _checkpointed(own_forward: Callable | None, module: nn.Module) -> Callable:
 def _recomputing(module: nn.Module, norms: list[nn.Module], others: list[tuple[str, torch.Tensor]]) -> Iterator[None]:
     """A recomputation, which must not update batch norms' running statistics a second time: ``norms``' buffers are
     put back as the forward left them (one process updates them once per micro-batch; they are a few numbers per
-    channel). Any other buffer the recomputation changes in place (a running mean the forward also reads, a counter,
-    a cache) is refused: the recomputation would compute with another value than the forward did."""
+    channel). Any other buffer or frozen parameter the recomputation changes in place (a running mean the forward
+    also reads, a counter, a cache, an EMA target) is refused: the recomputation would compute with another value
+    than the forward did."""
     kept = [(buffer, buffer.clone()) for norm in norms if norm.training and norm.track_running_stats
             for buffer in norm.buffers(recurse=False)]
     versions = [buffer._version for _, buffer in others]
@@ -123,8 +126,9 @@ def _recomputing(module: nn.Module, norms: list[nn.Module], others: list[tuple[s
         changed = [name for (name, buffer), version in zip(others, versions) if buffer._version != version]
         if changed:
             raise RuntimeError(
-                f"recompute: recomputing {type(module).__name__}'s forward changed its buffer(s) {changed} in place "
-                "again (a running mean, a counter, a cache): the recomputation computes with other values than the "
-                "forward did, and the buffers count each micro-batch twice, where one process without recomputation "
+                f"recompute: recomputing {type(module).__name__}'s forward changed its buffer(s) or frozen "
+                f"parameter(s) {changed} in place again (a running mean, a counter, a cache, an EMA target): the "
+                "recomputation computes with other values than the forward did, and they count each micro-batch "
+                "twice, where one process without recomputation "
                 "does it once; leave this module out of recompute= (a callable choosing modules) or move the update "
                 "out of its forward")

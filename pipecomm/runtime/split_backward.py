@@ -59,6 +59,10 @@ class WeightGradStore:
             entry = self._aliases[id(weight)] = (weight, weight.detach().requires_grad_())
         return entry[1]
 
+    def aliases(self) -> list[torch.Tensor]:
+        """This step's aliases, leaves that only the W pass reads the gradients of."""
+        return [alias for _, alias in self._aliases.values()]
+
     def new_step(self) -> None:
         """Forgets the aliases: a weight frozen, replaced or resharded between steps gets a fresh one."""
         self._aliases.clear()
@@ -89,6 +93,14 @@ class _ReportInput(torch.autograd.Function):
         if ctx.deferred and ctx.store.collecting is not None:
             ctx.store.collecting.append((ctx.weight, x, grad_output))
             ctx.reported = True
+        elif ctx.deferred and torch.is_grad_enabled():
+            # A differentiable backward (create_graph=True) outside the I pass: the model's own torch.autograd.grad
+            # in its forward. What it builds reads the weight's alias, which no pass asks a gradient for.
+            raise RuntimeError(
+                "torch.autograd.grad(..., create_graph=True) through an nn.Linear during the step's forward (a gradient "
+                "penalty, a meta-learning inner step): the zero-bubble schedules defer Linear weight gradients and "
+                "would drop the second-order part of them; use a schedule without the split backward (1f1b, "
+                "interleaved-1f1b, gpipe)")
         return grad_output, None, None, None, None
 
 
@@ -114,6 +126,8 @@ def _may_defer(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor)
     # (weight_norm) set a computed weight, whose gradient must flow on to what it was computed from.
     if not (torch.is_grad_enabled() and weight.requires_grad and isinstance(weight, nn.Parameter)):
         return False
+    if torch._C._are_functorch_transforms_active():
+        return False  # inside torch.func.vmap or grad: the alias cannot be made a leaf there, and I computes it
     if isinstance(weight, DTensor):
         return False  # tensor-parallel: its input and output gradient are laid out across ranks; I computes it
     if weight._backward_hooks:

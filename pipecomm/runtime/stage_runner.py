@@ -46,6 +46,9 @@ class EagerStage:
         self.rank = rank
         self.offloader: ActivationOffloader | None = None  # the rank's, when activations go to host memory
         self.micro_batches: dict[int, MicroBatch] = {}
+        # Tensors requiring grad that the stage's forward reads and that are none of its parameters (kept in a plain
+        # attribute or a list): looked for once, at the first forward a backward asks for parameters by name.
+        self._unregistered: list[torch.Tensor] | None = None
 
     def start(self, training: bool) -> None:
         """A new step (``training``) or inference: nothing held, and the weights' aliases made afresh."""
@@ -112,6 +115,13 @@ class EagerStage:
         finally:
             if store:
                 store.recording = None
+        asks_by_name = not (self.sink.autograd_accumulates and self.weight_grad_store is None)
+        if asks_by_name and self._unregistered is None:
+            self._unregistered = leaves_beside(boundary.flatten(output).tensors, [*callers, *received], self.module,
+                                               store)
+        if asks_by_name and self._unregistered:
+            # Their gradients accumulate as the caller's tensors' do, as loss.backward() accumulates into every leaf.
+            held.callers = callers = callers + self._unregistered
         if self.scaled_loss is None:
             held.outputs = boundary.stage_output(output)
             # An output the offloader still holds as the backward will read it (measuring, it copies nothing) stays.
@@ -120,6 +130,11 @@ class EagerStage:
             return None
         loss = self.scaled_loss(output, *targets)
         held.outputs, held.output_grads = boundary.flatten(loss), (torch.ones_like(loss),)
+        # Leaves the loss reaches beside the stage's output (a learned temperature, an auxiliary head that loss_fn
+        # holds) get their gradients as the caller's tensors do: a backward that asks autograd for the stage's own
+        # parameters alone would compute and drop theirs.
+        held.callers = callers + leaves_beside([loss], [*boundary.flatten(output).tensors, *callers, *received],
+                                               self.module, store)
         return loss.detach()
 
     def infer(self, micro_batch: int, args: tuple, kwargs: dict):
@@ -214,6 +229,38 @@ def _unpark_deferred(offloader: ActivationOffloader, wait, parked: list[tuple]) 
     tensors = offloader.unpark(wait, [entry for _, x, grad in parked for entry in (x, grad)])
     offloader.forget(wait)
     return [(weight, tensors[2 * index], tensors[2 * index + 1]) for index, (weight, _, _) in enumerate(parked)]
+
+
+def leaves_beside(roots: Sequence[torch.Tensor], reached: Sequence[torch.Tensor], module: nn.Module,
+                  store: WeightGradStore | None) -> list[torch.Tensor]:
+    """The leaves requiring grad that ``roots`` reach other than through the tensors whose gradients the backward
+    already asks for (``reached``: the stage's outputs, received and caller's tensors), ``module``'s parameters and
+    the ``store``'s weight aliases: a walk of the roots' autograd nodes, which stops where those tensors were made."""
+    made = {tensor.grad_fn for tensor in reached if tensor.grad_fn is not None}
+    known = {id(tensor) for tensor in (*reached, *(store.aliases() if store else ()))}
+    found, seen, todo = [], set(), [root.grad_fn for root in roots]
+    while todo:
+        node = todo.pop()
+        if node is None or node in made or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad's
+        if leaf is not None:
+            if id(leaf) not in known:
+                known.add(id(leaf))
+                found.append(leaf)
+            continue
+        todo.extend(following for following, _ in node.next_functions)
+    if found:  # a stage parameter the loss reads too (a tied head) is asked for already
+        params = {id(param) for param in module.parameters()}
+        found = [leaf for leaf in found if id(leaf) not in params]
+    return found
+
+
+def leaves_beside_said(count: int) -> str:
+    return (f"its forward or loss_fn reaches {count} tensor(s) requiring grad that are none of the stage's parameters "
+            "(parameters loss_fn holds, a tensor kept outside the stage's modules), whose gradients no CUDA graph of "
+            "the stage returns")
 
 
 def _take_grad(tensor: torch.Tensor) -> torch.Tensor | None:

@@ -153,7 +153,8 @@ def capture_split(
             # Its message names source lines: captured again, recording them, to raise it so.
             _place(_outline_units(capture(stack_traces=True), set(units)), stage_of, num_stages)
             raise
-        return _cut(model, exported, graph, placement, num_stages, device)
+        return _cut(model, exported, graph, placement, num_stages, device,
+                    _argument_names(model, example_args, example_kwargs))
 
     built = cut(exported)
     shared = shared_parameters(stage.named_parameters(remove_duplicate=False) for stage in built)
@@ -374,6 +375,26 @@ class _ArgumentCheck:
         self.keywords = list(example_kwargs)
         self.placeholders = [node for node in stage.graph.nodes if node.op == "placeholder"]
         self.range_constraints = exported.range_constraints
+        # What torch's check of the inputs leaves out: a None of the example (a mask left out), which the captured
+        # code never reads, and each tensor's dtype, which the model's code may branch on (a bool mask or a float one).
+        self.kinds = {pytree.keystr(path): _kind(value)
+                      for path, value in pytree.tree_flatten_with_path((tuple(example_args), dict(example_kwargs)))[0]}
+
+    def _check_kinds(self, flat: list) -> None:
+        for path, value in flat:
+            captured, now = self.kinds.get(pytree.keystr(path)), _kind(value)
+            if captured is not None and captured != now and (captured == "None" or now != "None"):
+                # (args, kwargs)[0][i] is the i-th positional argument, [1][name] the keyword one.
+                index = path[1].idx if path[0].idx == 0 else None
+                name = path[1].key if index is None else (
+                    self.positional[index] if index < len(self.positional) else f"positional argument {index}")
+                where = name + pytree.keystr(path[2:])
+                raise ValueError(
+                    f"split: these inputs do not fit the captured forward: the input {where} is {now}, where the "
+                    f"example split captured was {captured}. The capture holds for its example's Nones (code "
+                    "reading an input captured as None is not in it) and dtypes (the model's code may branch on "
+                    "them); pass the same, or split with an example that has the ones you call with (a Pipeline of "
+                    "its own)")
 
     def __call__(self, module, args, kwargs):
         try:
@@ -387,6 +408,7 @@ class _ArgumentCheck:
         args = tuple(bound[name] for name in self.positional)
         kwargs = {name: bound[name] for name in self.keywords}
         flat = pytree.tree_flatten_with_path((args, kwargs))[0]
+        self._check_kinds(flat)
         try:
             torch._export.utils._check_input_constraints_for_graph(self.placeholders, flat, self.range_constraints)
         except RuntimeError as error:
@@ -408,6 +430,13 @@ class _ArgumentCheck:
                           "example micro-batch of at least 2 samples and sequence positions")
             raise ValueError(f"split: these inputs do not fit the captured forward: {text}. {advice}") from error
         return args, kwargs
+
+
+def _kind(value: object) -> str:
+    """An input leaf as the argument check compares it: a tensor's dtype, None, or any other value."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor"
+    return "None" if value is None else "a value"
 
 
 # -- units back to module calls --------------------------------------------------------------------
@@ -663,7 +692,10 @@ def _describe(node: torch.fx.Node, fixed: dict, placement: dict) -> str:
 # -- cutting ---------------------------------------------------------------------------------------
 
 
-def _cut(model, exported, graph: torch.fx.Graph, placement: dict, num_stages: int, device) -> list[CapturedStage]:
+def _cut(model, exported, graph: torch.fx.Graph, placement: dict, num_stages: int, device,
+         argument_names: list[str]) -> list[CapturedStage]:
+    """The stages' graph modules; stage 0 takes the model's forward arguments, ``argument_names`` (each a structure
+    of tensors: its placeholders are the leaves)."""
     nodes = [node for node in graph.nodes if node.op not in ("get_attr",)]
     last_use = {node: max((placement[user] for user in node.users), default=placement[node]) for node in nodes}
     attributes = dict(graph._pipecomm_attributes)
@@ -690,7 +722,7 @@ def _cut(model, exported, graph: torch.fx.Graph, placement: dict, num_stages: in
         else:
             stage_graph.output(tuple(env[node] for node in crossing))
         stage_graph._codegen = torch.fx.graph._PyTreeCodeGen(torch.fx.graph._PyTreeInfo(
-            [node.name for node in (inputs if stage == 0 else received)],
+            argument_names if stage == 0 else [node.name for node in received],
             exported.module_call_graph[0].signature.in_spec if stage == 0 else pytree.tree_structure(tuple(range(len(received)))),
             exported.module_call_graph[0].signature.out_spec if stage == num_stages - 1 else None,
         ))
@@ -704,6 +736,19 @@ def _cut(model, exported, graph: torch.fx.Graph, placement: dict, num_stages: in
         stages.append(module)
         received = crossing
     return stages
+
+
+def _argument_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """The names of the model's forward arguments in a call with ``args`` and ``kwargs``: positional ones by the
+    signature (``*args`` as args_0, args_1, ...), then the keywords, as the capture's input structure lists them."""
+    signature = inspect.signature(model.forward)
+    names = []
+    for name, value in signature.bind_partial(*args).arguments.items():
+        if signature.parameters[name].kind == inspect.Parameter.VAR_POSITIONAL:
+            names.extend(f"{name}_{index}" for index in range(len(value)))
+        else:
+            names.append(name)
+    return names + list(kwargs)
 
 
 def _other_mode_graphs(model: nn.Module, built: list[CapturedStage],
