@@ -601,3 +601,41 @@ def test_an_input_captured_as_none_or_of_another_dtype_is_refused(captured, call
     args, _ = structured_example(3)
     with raises(message):
         stages[0](*args, mask=called)
+
+
+class Patches(nn.Module):
+    """Patch embeddings with a class token, sliced position embeddings by the sequence's size (CLIP's, Blip-2's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 4, stride=4)
+        self.cls = nn.Parameter(torch.zeros(1, 1, 8))
+        self.pos = nn.Parameter(torch.randn(1, 17, 8))
+
+    def forward(self, x):
+        h = torch.cat([self.cls.expand(x.shape[0], -1, -1), self.conv(x).flatten(2).transpose(1, 2)], 1)
+        return h + self.pos[:, : h.size(1)]
+
+
+class ReadsAnInnerSize(nn.Module):
+    """Its own forward builds a mask of the embeddings' size, which torch.export computed inside the vision module."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision, self.head = Patches(), nn.Linear(8, 4)
+        self.vision.pipeline_stage, self.head.pipeline_stage = 0, 1
+
+    def forward(self, x):
+        embeddings = self.vision(x)
+        mask = torch.ones(embeddings.size()[:-1])
+        return self.head(embeddings * mask[..., None]).mean(1)
+
+
+def test_a_size_computed_inside_a_module_and_read_outside_is_read_again_from_its_output():
+    # It was refused as a value escaping the module ("add_1, computed inside 'vision'"): Blip-2 could not be split.
+    torch.manual_seed(0)
+    model = ReadsAnInnerSize()
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 3, 8, 8),))
+    for size in (8, 12, 16):
+        x = torch.randn(3, 3, size, size)
+        torch.testing.assert_close(chain(stages, x), model(x), rtol=0, atol=0)

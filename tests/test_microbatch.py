@@ -82,3 +82,11 @@ def test_any_requires_grad_looks_at_every_tensor_of_plain_and_nested_batches():
     assert not microbatch.any_requires_grad((plain, 3))
     assert microbatch.any_requires_grad(microbatch.Batch(({"x": [plain, grad]},), {}))  # nested: through pytree
     assert not microbatch.any_requires_grad(microbatch.Batch(({"x": [plain, None]}, "text"), {}))
+
+
+def test_a_matrix_over_each_micro_batchs_samples_is_refused_where_their_sizes_differ():
+    # A contrastive model's logits, (micro-batch, micro-batch): torch.cat failed with its own message.
+    outputs = [torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(1, 1), torch.zeros(1, 1)]
+    with pytest.raises(ValueError, match=r"output tensor 0 has shapes \[\(2, 2\), \(2, 2\), \(1, 1\), \(1, 1\)\] in the "
+                                         r"micro-batches of sizes \[2, 2, 1, 1\]: more than its batch dimension"):
+        microbatch.join(outputs, batch_size=6)

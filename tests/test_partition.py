@@ -401,3 +401,14 @@ def test_a_value_one_module_hands_another_on_the_side_is_refused():
     model.writer.pipeline_stage, model.reader.pipeline_stage = 0, 1
     with pytest.raises(ValueError, match=r"computed inside 'writer', is used outside it without being one of its outputs"):
         split(model, 2, 0, example_inputs=(torch.randn(2, 4),))
+
+
+def test_parameters_of_two_stages_sharing_memory_are_refused_and_disjoint_views_of_one_buffer_are_not():
+    # A Parameter viewing another stage's weight: each rank updated its own copy, and they drifted apart silently.
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.weight = nn.Parameter(first.weight.data[:4])
+    with pytest.raises(ValueError, match=r"the parameter '1.weight' of stage 1 shares memory with '0.weight' on stage 0"):
+        split(nn.Sequential(first, second), 2, 0, balance=[1, 1])
+    flat = torch.zeros(2 * 16)  # every weight a view of one flat buffer, each its own part
+    first.weight, second.weight = (nn.Parameter(flat[16 * index:16 * (index + 1)].view(4, 4)) for index in range(2))
+    split(nn.Sequential(first, second), 2, 0, balance=[1, 1])

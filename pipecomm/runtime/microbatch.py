@@ -172,6 +172,13 @@ def join(outputs: Sequence[Any], dim: int = 0, batch_size: int | None = None) ->
         if not parts[0].dim():
             tensors.append(torch.stack(parts))
         elif sizes is None or [part.shape[along] for part in parts] == sizes:
+            others = {part.shape[:along] + part.shape[along + 1:] for part in parts}
+            if len(others) > 1:
+                raise ValueError(f"forward: output tensor {index} has shapes {[tuple(part.shape) for part in parts]} in "
+                                 f"the micro-batches of sizes {sizes or [part.shape[along] for part in parts]}: more "
+                                 "than its batch dimension follows the micro-batch's size, as a matrix over a batch's "
+                                 "samples does (a contrastive model's logits), which the micro-batches compute apart "
+                                 "and cannot be joined into the whole batch's; compute it from per-sample outputs")
             tensors.append(torch.cat(parts, dim=along))
         elif all(torch.equal(part, parts[0]) for part in parts[1:]):
             tensors.append(parts[0])

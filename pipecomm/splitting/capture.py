@@ -458,7 +458,8 @@ def _outline_units(exported, units: set[str]) -> torch.fx.Graph:
     unit_outputs = _check_mutations(exported, units)
     graph = torch.fx.Graph()
     body_of = {node: _unit_call_of(node, units) for node in exported.graph.nodes}
-    values = _Bindings({node.name: call for node, call in body_of.items()})
+    values = _Bindings({node.name: call for node, call in body_of.items()},
+                       {node.name: node for node in exported.graph.nodes}, graph)
     specs: dict[str, Any] = {}
     outlined: set[str] = set()
 
@@ -506,13 +507,29 @@ def _outline_units(exported, units: set[str]) -> torch.fx.Graph:
 class _Bindings(dict):
     """Exported node name -> its value in the new graph. A unit's inner values have none: only its outputs
     leave its module call, so code outside that reads one (a router's logits a hook recorded for the
-    model's auxiliary loss) is refused by name."""
+    model's auxiliary loss) is refused by name; but for a size, which torch.export computed once inside the unit
+    and reused outside (``torch.ones(embeddings.size()[:-1])`` after a vision tower), read again from a value
+    outside that has it as a dimension."""
 
-    def __init__(self, unit_call_of: dict[str, str | None]):
+    def __init__(self, unit_call_of: dict[str, str | None], exported: dict[str, torch.fx.Node], graph: torch.fx.Graph):
         super().__init__()
-        self._unit_call_of = unit_call_of
+        self._unit_call_of, self._exported, self._graph = unit_call_of, exported, graph
 
     def __missing__(self, name: str):
+        size = self._exported[name].meta.get("val")
+        if isinstance(size, int):
+            return size
+        if isinstance(size, torch.SymInt):
+            for bound, node in list(self.items()):
+                value = self._exported[bound].meta.get("val")
+                if not isinstance(node, torch.fx.Node) or not isinstance(value, torch.Tensor):
+                    continue
+                for dim, extent in enumerate(value.shape):
+                    if isinstance(extent, torch.SymInt) and extent.node.expr == size.node.expr:
+                        read = self._graph.call_function(torch.ops.aten.sym_size.int, (node, dim))
+                        read.meta["val"] = size
+                        self[name] = read
+                        return read
         raise _inner_value_escapes(name, self._unit_call_of[name])
 
 

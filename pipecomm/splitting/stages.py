@@ -38,10 +38,25 @@ def shared_parameters(
     named_of_stage = [list(named) for named in named_parameters_of_stage]
     holders: dict[int, set[int]] = collections.defaultdict(set)
     first_name: dict[int, str] = {}
+    # (device, storage address) -> the elements each holder covers there: (start, end, stage, name, id).
+    storages: dict[tuple, list[tuple[int, int, int, str, int]]] = collections.defaultdict(list)
     for stage, named in enumerate(named_of_stage):
         for name, param in named:
             holders[id(param)].add(stage)
             first_name.setdefault(id(param), name)
+            if param.device.type == "meta" or not param.numel():
+                continue
+            start = param.storage_offset()
+            end = start + 1 + sum((size - 1) * stride for size, stride in zip(param.shape, param.stride()))
+            covered = storages[(param.device, param.untyped_storage().data_ptr(), param.element_size())]
+            for other_start, other_end, other_stage, other_name, other_id in covered:
+                if other_stage != stage and other_id != id(param) and start < other_end and other_start < end:
+                    # Each stage's rank would keep a copy and update it alone: the views would drift apart silently.
+                    raise ValueError(f"split: the parameter {name!r} of stage {stage} shares memory with "
+                                     f"{other_name!r} on stage {other_stage}, another Parameter object (a view of "
+                                     "it): stages on other ranks cannot share memory; tie them as one Parameter or "
+                                     "give each its own")
+            covered.append((start, end, stage, name, id(param)))
     return [({name: tuple(sorted(holders[id(param)])) for name, param in named if len(holders[id(param)]) > 1},
              {name: first_name[id(param)] for name, param in named if len(holders[id(param)]) > 1})
             for named in named_of_stage]
