@@ -228,7 +228,7 @@ class Pipeline:
                                                              dim=self.batch_dim))
             self._prepared.check_deferral()
             self._tuning.after_step()
-            self._gradients.finish_step()
+            self._gradients.finish_step(self._executor.leaves_beside())
             if self.num_ranks == 1:
                 return loss
             return self._collectives.broadcast_loss(loss)

@@ -617,6 +617,33 @@ def data_gradients(rank: int, world_size: int, options: dict) -> list[str]:
     return checked
 
 
+def replicas_with_a_loss_holding_parameters(rank: int, world_size: int, schedule: str) -> str:
+    """Two data-parallel replicas of one stage, each on half the batch, with a loss_fn that holds parameters and a
+    stage that trains a tensor outside its parameters: their gradients average over the replicas, as the stage's."""
+    context = pipecomm.init(pipeline_size=1, data_size=2)
+    torch.manual_seed(0)
+    model, loss_fn = nn.Sequential(Block(), UnregisteredScale()), TemperedLoss()
+    reference, ref_loss_fn = copy.deepcopy(model), copy.deepcopy(loss_fn)
+    pipe = pipecomm.Pipeline(model, stage=0, num_stages=1, loss_fn=loss_fn, micro_batches=2, schedule=schedule,
+                             group=context.pipeline_group, data_group=context.data_group, timeout=30)
+    (x,), _, target = float_batch(0)
+    half = slice(BATCH // 2 * context.dp_rank, BATCH // 2 * (context.dp_rank + 1))
+    pipe.step(x[half], target=target[half])
+    for xs, ys in zip(x.chunk(4), target.chunk(4)):
+        (ref_loss_fn(reference(xs), ys) / 4).backward()
+    for mine, ref in ((loss_fn.head.weight, ref_loss_fn.head.weight), (loss_fn.temperature, ref_loss_fn.temperature),
+                      (model[1].scale, reference[1].scale), (model[0].proj.weight, reference[0].proj.weight)):
+        torch.testing.assert_close(mine.grad, ref.grad, **TOLERANCE)
+    pipe.close()
+    return "ok"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_data_parallel_replicas_average_the_gradients_of_a_loss_fns_parameters(tmp_path, schedule):
+    # Each replica kept its own half-batch gradient for loss_fn's parameters, which then drifted apart, silently.
+    assert run_ranks(2, replicas_with_a_loss_holding_parameters, tmp_path, schedule) == ["ok", "ok"]
+
+
 @pytest.mark.parametrize("options", [{}, {"main_grad": True}], ids=["grad", "main_grad"])
 def test_inputs_targets_and_a_loss_fns_parameters_get_one_process_gradients(tmp_path, options):
     """Every schedule, whether autograd accumulates the parameters' gradients (1f1b into .grad) or the pipeline adds

@@ -141,6 +141,18 @@ class DataParallelGrads:
                 if not anywhere and not self.sinks[stage].main_grad:
                     param.grad = None
 
+    def average(self, tensors: list[torch.Tensor], wait: Callable[[Collective], None]) -> None:
+        """Averages the gradients of ``tensors``, trained beside the stages' parameters (parameters loss_fn holds),
+        over the replicas, in one all-reduce: each replica's loss saw its share of the batch, as each stage's did."""
+        grads = [tensor.grad if tensor.grad is not None else torch.zeros_like(tensor) for tensor in tensors]
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        wait(Collective(lambda: dist.all_reduce(flat, group=self.group, async_op=True), [flat], self.group,
+                        "the data-parallel all-reduce of the gradients of tensors trained beside the stages' "
+                        f"parameters ({len(tensors)}: parameters loss_fn holds)"))
+        flat /= self.size
+        for tensor, part in zip(tensors, flat.split([grad.numel() for grad in grads])):
+            tensor.grad = part.view_as(tensor).clone()
+
     def _used_flags(self, flags: list[bool], device: torch.device) -> Collective:
         """Starts the MAX all-reduce of which parameters each replica used. Where this one used them all, its
         all-ones tensor stays all ones under MAX: it is kept for the next steps."""

@@ -49,11 +49,14 @@ class GradientFinalizer:
         if self.data_parallel:
             self.data_parallel.start(stage)
 
-    def finish_step(self) -> None:
-        """Waits for the replicas' reductions; sums the shared parameters' gradients over their holders."""
+    def finish_step(self, beside: list[torch.Tensor]) -> None:
+        """Waits for the replicas' reductions, averages over them the gradients of the tensors trained ``beside`` the
+        stages' parameters (loss_fn's); sums the shared parameters' gradients over their holders."""
         self._shared_in_place.check()
         if self.data_parallel:
             self.data_parallel.finish(self.collectives.wait)
+            if beside:
+                self.data_parallel.average(beside, self.collectives.wait)
         if self.shared:
             self.shared.reduce_grads(self._sink_of, self.collectives.wait)
 

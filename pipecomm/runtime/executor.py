@@ -192,6 +192,12 @@ class StageExecutor:
         self._backwards_done: dict[int, int] = dict.fromkeys(self.stages, 0)
         self.transfers.start(training=micro_batches is not None)
 
+    def leaves_beside(self) -> list[torch.Tensor]:
+        """The tensors this step trained beside the stages' parameters (parameters loss_fn holds, tensors a stage
+        keeps outside its modules' parameters), each once."""
+        return list({id(tensor): tensor for runner in self.stages.values()
+                     for tensor in runner.beside.values()}.values())
+
     # -- compute -------------------------------------------------------------------------------
 
     def _scaled_loss(self, output, *targets) -> torch.Tensor:

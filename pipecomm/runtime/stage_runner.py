@@ -49,10 +49,14 @@ class EagerStage:
         # Tensors requiring grad that the stage's forward reads and that are none of its parameters (kept in a plain
         # attribute or a list): looked for once, at the first forward a backward asks for parameters by name.
         self._unregistered: list[torch.Tensor] | None = None
+        # This step's leaves beside the stage's parameters (those and loss_fn's), by id: data parallelism averages
+        # their gradients over the replicas as it does the parameters'.
+        self.beside: dict[int, torch.Tensor] = {}
 
     def start(self, training: bool) -> None:
         """A new step (``training``) or inference: nothing held, and the weights' aliases made afresh."""
         self.micro_batches = {}
+        self.beside = {}
         if self.weight_grad_store:
             self.weight_grad_store.new_step()
 
@@ -115,13 +119,14 @@ class EagerStage:
         finally:
             if store:
                 store.recording = None
-        asks_by_name = not (self.sink.autograd_accumulates and self.weight_grad_store is None)
-        if asks_by_name and self._unregistered is None:
+        if self._unregistered is None and torch.is_grad_enabled():
             self._unregistered = leaves_beside(boundary.flatten(output).tensors, [*callers, *received], self.module,
                                                store)
-        if asks_by_name and self._unregistered:
-            # Their gradients accumulate as the caller's tensors' do, as loss.backward() accumulates into every leaf.
-            held.callers = callers = callers + self._unregistered
+        if self._unregistered:
+            self.beside.update((id(tensor), tensor) for tensor in self._unregistered)
+            if not (self.sink.autograd_accumulates and self.weight_grad_store is None):
+                # Their gradients accumulate as the caller's tensors' do, as loss.backward() accumulates every leaf.
+                held.callers = callers = callers + self._unregistered
         if self.scaled_loss is None:
             held.outputs = boundary.stage_output(output)
             # An output the offloader still holds as the backward will read it (measuring, it copies nothing) stays.
@@ -133,8 +138,9 @@ class EagerStage:
         # Leaves the loss reaches beside the stage's output (a learned temperature, an auxiliary head that loss_fn
         # holds) get their gradients as the caller's tensors do: a backward that asks autograd for the stage's own
         # parameters alone would compute and drop theirs.
-        held.callers = callers + leaves_beside([loss], [*boundary.flatten(output).tensors, *callers, *received],
-                                               self.module, store)
+        of_loss = leaves_beside([loss], [*boundary.flatten(output).tensors, *callers, *received], self.module, store)
+        self.beside.update((id(tensor), tensor) for tensor in of_loss)
+        held.callers = callers + of_loss
         return loss.detach()
 
     def infer(self, micro_batch: int, args: tuple, kwargs: dict):
