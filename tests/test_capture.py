@@ -639,3 +639,32 @@ def test_a_size_computed_inside_a_module_and_read_outside_is_read_again_from_its
     for size in (8, 12, 16):
         x = torch.randn(3, 3, size, size)
         torch.testing.assert_close(chain(stages, x), model(x), rtol=0, atol=0)
+
+
+class Scales(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, kind):
+        return self.linear(x) * (2.0 if kind == "double" else 1.0)
+
+
+class PassesAString(nn.Module):
+    """Calls an annotated module with a str, which torch.export cannot keep at the module's call."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales, self.second = Scales(), nn.Linear(4, 4)
+        self.scales.pipeline_stage, self.second.pipeline_stage = 0, 1
+
+    def forward(self, x):
+        return self.second(self.scales(x, "double"))
+
+
+def test_a_module_called_with_a_value_the_capture_cannot_keep_is_named():
+    # The message said "a module that runs whole on a stage" without saying which (ModernBERT, Swin).
+    with raises("a module that runs whole on a stage is called with, or returns, a value torch.export cannot keep at "
+                "a module's call (a str, a size read from a tensor's shape, an object of its own) ('scales' is called "
+                "with the str 'double')"):
+        pipecomm.split(PassesAString(), 2, [0, 1], example_inputs=(torch.randn(2, 4),))

@@ -269,7 +269,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, units: list[str],
             return torch.export.export(model, tuple(args), dict(kwargs), strict=False, dynamic_shapes=dynamic_shapes,
                                        preserve_module_call_signature=tuple(units))
     except Exception as error:  # noqa: BLE001 - every capture failure becomes the same clear error
-        raise ValueError(_capture_failure(model, error)) from error
+        raise ValueError(_capture_failure(model, error, lambda: _units_given_odd_values(model, args, kwargs, units))
+                         ) from error
 
 
 @contextlib.contextmanager
@@ -337,7 +338,53 @@ def _recording_stack_traces(record: bool) -> Iterator[None]:
         torch.fx.config.do_not_emit_stack_traces = before
 
 
-def _capture_failure(model: nn.Module, error: Exception) -> str:
+def _units_given_odd_values(model: nn.Module, args: tuple, kwargs: dict, units: list[str]) -> list[str]:
+    """The units that one eager call of the model calls with, or that return, a value torch.export cannot keep at a
+    module's call (a str, an object of the model's own; an int, which may be a size read from a shape), each said
+    once with what it got: the culprits of a capture that failed there."""
+    found: dict[str, str] = {}
+
+    def odd(values) -> str | None:
+        for value in pytree.tree_leaves(values):
+            if isinstance(value, str):
+                return f"the str {value!r}"
+            if not isinstance(value, (torch.Tensor, bool, float, type(None), int)):
+                return f"a {type(value).__name__}"
+        ints = [value for value in pytree.tree_leaves(values) if type(value) is int]
+        return f"the int(s) {ints} (sizes read from a shape?)" if ints else None
+
+    def hooks(name):
+        def before(module, given_args, given_kwargs):
+            said = odd((given_args, given_kwargs))
+            if said:
+                found.setdefault(name, f"{name!r} is called with {said}")
+
+        def after(module, given_args, output):
+            said = odd(output)
+            if said:
+                found.setdefault(name, f"{name!r} returns {said}")
+        return before, after
+
+    handles, buffers = [], [(buffer, buffer.clone()) for buffer in model.buffers()]  # left as they were
+    try:
+        for name in units:
+            before, after = hooks(name)
+            module = model.get_submodule(name)
+            handles += [module.register_forward_pre_hook(before, with_kwargs=True), module.register_forward_hook(after)]
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the capture's own message stands
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+    return list(found.values())
+
+
+def _capture_failure(model: nn.Module, error: Exception, odd_units: Callable[[], list[str]] = list) -> str:
     text = str(error)
     lines = [line for line in text.splitlines() if line.strip()]
     where = [line.strip() for line in lines if line.strip().startswith(("File ", "User Stack", "Potential framework"))]
@@ -353,11 +400,13 @@ def _capture_failure(model: nn.Module, error: Exception) -> str:
                 f"stage is called with a key-value cache ({said}). A cache serves generation, not a training step: "
                 "set use_cache=False in the model's config")
     if "pytree flattened inputs" in text or "Expected code to be unreachable" in text:
+        culprits = odd_units()
+        named = f" ({'; '.join(culprits)})" if culprits else ""
         return (f"split: cannot capture {type(model).__name__}.forward on example_inputs: a module that runs whole on a "
                 "stage is called with, or returns, a value torch.export cannot keep at a module's call (a str, a size "
-                f"read from a tensor's shape, an object of its own; {said}). Let the module find it itself (a str as "
-                "its attribute, a size from its input's shape), or annotate the module above it, so that the call "
-                "lies inside one stage")
+                f"read from a tensor's shape, an object of its own){named}; {said}. Let the module find it itself (a "
+                "str as its attribute, a size from its input's shape), or annotate the module above it, so that the "
+                "call lies inside one stage")
     return (f"split: cannot capture {type(model).__name__}.forward on example_inputs: it uses {construct}{location}. "
             f"{said}. Make that code depend on shapes or "
             "Python values only, or annotate at a coarser level by splitting the model by hand into stage modules "
