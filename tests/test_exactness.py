@@ -195,6 +195,20 @@ def test_hand_made_stages_that_name_a_shared_weight_apart_are_refused_on_every_r
     assert run_ranks(2, hand_made_stages_naming_a_shared_weight_apart, tmp_path) == ["ok", "ok"]
 
 
+def a_shared_weight_frozen_on_one_holder(rank: int, world_size: int) -> str:
+    stage = HandMadeTied("shared")
+    stage.shared.weight.requires_grad_(rank == 0)
+    with pytest.raises(ValueError, match=r"the parameter shared among ranks \(0, 1\) under the key 'shared.weight' is "
+                                         r"frozen \(requires_grad=False\) on ranks \[1\] only"):
+        pipecomm.Pipeline(stage, stage=rank, num_stages=2, loss_fn=mse, micro_batches=2, timeout=30)
+    return "ok"
+
+
+def test_a_shared_weight_frozen_on_one_holder_only_is_refused_at_construction(tmp_path):
+    # The trainable holder waited out the timeout (300 s by default) in the gradient's all-reduce at the first step.
+    assert run_ranks(2, a_shared_weight_frozen_on_one_holder, tmp_path) == ["ok", "ok"]
+
+
 class PartlyFrozen(nn.Module):
     """Frozen weights beside trainable biases, a frozen free parameter, and a trainable gate."""
 

@@ -40,8 +40,10 @@ class SharedParameters:
         ordered = sorted((entry for entry in local.values() if len(entry[0]) > 1), key=lambda entry: entry[:2])
         described = [(holders, key, tuple(param.shape), str(param.dtype)) for holders, key, param in ordered]
         every_rank: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every_rank, described)
-        _check_holders_agree(every_rank)
+        dist.all_gather_object(every_rank, (described, [param.requires_grad for _, _, param in ordered]))
+        _check_holders_agree([entries for entries, _ in every_rank])
+        _check_frozen_alike(every_rank)
+        every_rank = [entries for entries, _ in every_rank]
         groups = {holders: dist.new_group(list(holders))
                   for holders in sorted({entry[0] for ranks in every_rank for entry in ranks})}
         self.entries = [(param, holders, groups[holders]) for holders, _, param in ordered]
@@ -72,6 +74,22 @@ class SharedParameters:
                             f"the all-reduce of a shared parameter's gradient among ranks {holders} (a holder where "
                             "it does not require grad skips it: freeze it alike on every rank that holds it, under "
                             "each of its names there)"))
+
+
+def _check_frozen_alike(every_rank: list[tuple[list[tuple], list[bool]]]) -> None:
+    """Every holder of a shared parameter freezes it alike: one that does not sum its gradient would leave the others
+    waiting for it."""
+    trains: dict[tuple, dict[int, bool]] = {}
+    for rank, (described, requires_grad) in enumerate(every_rank):
+        for (holders, key, *_), wanted in zip(described, requires_grad):
+            trains.setdefault((holders, key), {})[rank] = wanted
+    for (holders, key), by_rank in trains.items():
+        if len(set(by_rank.values())) > 1:
+            frozen = [rank for rank, wanted in by_rank.items() if not wanted]
+            raise ValueError(f"Pipeline: the parameter shared among ranks {holders} under the key {key!r} is frozen "
+                             f"(requires_grad=False) on ranks {frozen} only: freeze it alike on every rank that holds "
+                             "it, under each of its names there (a tied embedding's and head's), or through the "
+                             "original model, where it is one object")
 
 
 def _check_holders_agree(every_rank: list[list[tuple]]) -> None:
