@@ -173,7 +173,7 @@ class Pipeline:
             shared = (SharedParameters(self.modules, lambda s: global_rank(group, starting.stage_rank(s)))
                       if dist.is_initialized() else None)
             self._gradients = GradientFinalizer(self.modules, self._prepared.sinks, sharded, data_group, shared,
-                                                self._collectives)
+                                                self._collectives, self._loss_parameters(loss_fn))
         fail_fast.track(self, several_ranks=self.num_ranks > 1)
 
     schedule = property(lambda self: self._executor.schedule,
@@ -300,6 +300,15 @@ class Pipeline:
         self._links.close()
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _loss_parameters(self, loss_fn: Callable) -> list[nn.Parameter]:
+        """loss_fn's own parameters, where this rank computes the loss: an nn.Module's, or a method's module's, but
+        those of the stages (a loss that is a method of the model)."""
+        owner = loss_fn if isinstance(loss_fn, nn.Module) else getattr(loss_fn, "__self__", None)
+        if not isinstance(owner, nn.Module) or self.num_stages - 1 not in self.stages:
+            return []
+        staged = {id(param) for module in self.modules.values() for param in module.parameters()}
+        return [param for param in owner.parameters() if id(param) not in staged]
 
     def _abort(self, reason: str) -> None:
         """The protocol's abort: everything closed at once, each peer told why; never raises (peers may be gone)."""

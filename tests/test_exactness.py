@@ -631,31 +631,58 @@ def data_gradients(rank: int, world_size: int, options: dict) -> list[str]:
     return checked
 
 
-def replicas_with_a_loss_holding_parameters(rank: int, world_size: int, schedule: str) -> str:
-    """Two data-parallel replicas of one stage, each on half the batch, with a loss_fn that holds parameters and a
-    stage that trains a tensor outside its parameters: their gradients average over the replicas, as the stage's."""
+class RoutedHeads(nn.Module):
+    """A loss with two heads of one shape, each micro-batch using the one its data picks: replicas meet them in other
+    orders, or one of them only."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(3))  # the third is never used
+
+    def forward(self, output, target):
+        return mse(self.heads[int(target.sum() > 0)](output), target)
+
+
+def replicas_with_a_loss_holding_parameters(rank: int, world_size: int, schedule: str, loss_kind: str) -> str:
+    """Two data-parallel replicas of one stage, each on half the batch, with a loss_fn that holds parameters: their
+    gradients average over the replicas, as the stage's, exactly as one process's over the whole batch; a tensor
+    no module names (held by a closure) is refused."""
     context = pipecomm.init(pipeline_size=1, data_size=2)
     torch.manual_seed(0)
-    model, loss_fn = nn.Sequential(Block(), UnregisteredScale()), TemperedLoss()
+    model, loss_fn = nn.Sequential(Block()), {"tempered": TemperedLoss, "routed": RoutedHeads}[loss_kind]()
     reference, ref_loss_fn = copy.deepcopy(model), copy.deepcopy(loss_fn)
     pipe = pipecomm.Pipeline(model, stage=0, num_stages=1, loss_fn=loss_fn, micro_batches=2, schedule=schedule,
                              group=context.pipeline_group, data_group=context.data_group, timeout=30)
-    (x,), _, target = float_batch(0)
-    half = slice(BATCH // 2 * context.dp_rank, BATCH // 2 * (context.dp_rank + 1))
-    pipe.step(x[half], target=target[half])
-    for xs, ys in zip(x.chunk(4), target.chunk(4)):
-        (ref_loss_fn(reference(xs), ys) / 4).backward()
-    for mine, ref in ((loss_fn.head.weight, ref_loss_fn.head.weight), (loss_fn.temperature, ref_loss_fn.temperature),
-                      (model[1].scale, reference[1].scale), (model[0].proj.weight, reference[0].proj.weight)):
-        torch.testing.assert_close(mine.grad, ref.grad, **TOLERANCE)
+    (x,), _, target = float_batch(context.dp_rank if loss_kind == "routed" else 0)  # routed: each its own data
+    xs, ys = [None] * 2, [None] * 2
+    torch.distributed.all_gather_object(xs, x[:BATCH // 2])
+    torch.distributed.all_gather_object(ys, target[:BATCH // 2])
+    pipe.step(x[:BATCH // 2], target=target[:BATCH // 2])
+    for part_x, part_y in zip(torch.cat(xs).chunk(4), torch.cat(ys).chunk(4)):
+        (ref_loss_fn(reference(part_x), part_y) / 4).backward()
+    for (name, mine), ref in zip([*model.named_parameters(), *loss_fn.named_parameters()],
+                                 [*reference.parameters(), *ref_loss_fn.parameters()]):
+        if ref.grad is None:
+            assert mine.grad is None, name
+        else:
+            torch.testing.assert_close(mine.grad, ref.grad, **TOLERANCE, msg=name)
     pipe.close()
+    temperature = nn.Parameter(torch.tensor(2.0))
+    pipe = pipecomm.Pipeline(model, stage=0, num_stages=1, micro_batches=2, schedule=schedule,
+                             loss_fn=lambda output, target: mse(output / temperature, target),
+                             group=context.pipeline_group, data_group=context.data_group, timeout=30)
+    with pytest.raises(ValueError, match=r"under data parallelism, the step trained 1 tensor\(s\) of shapes \[\(\)\] "
+                                         "beside the stages' parameters that no module names"):
+        pipe.step(x[:BATCH // 2], target=target[:BATCH // 2])
     return "ok"
 
 
+@pytest.mark.parametrize("loss_kind", ["tempered", "routed"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_data_parallel_replicas_average_the_gradients_of_a_loss_fns_parameters(tmp_path, schedule):
-    # Each replica kept its own half-batch gradient for loss_fn's parameters, which then drifted apart, silently.
-    assert run_ranks(2, replicas_with_a_loss_holding_parameters, tmp_path, schedule) == ["ok", "ok"]
+def test_data_parallel_replicas_average_the_gradients_of_a_loss_fns_parameters(tmp_path, schedule, loss_kind):
+    # Each replica kept its own half-batch gradient for loss_fn's parameters, which then drifted apart, silently; and
+    # averaged in each replica's order of meeting them, heads of one shape were summed crosswise.
+    assert run_ranks(2, replicas_with_a_loss_holding_parameters, tmp_path, schedule, loss_kind) == ["ok", "ok"]
 
 
 @pytest.mark.parametrize("options", [{}, {"main_grad": True}], ids=["grad", "main_grad"])

@@ -159,17 +159,24 @@ class DataParallelGrads:
                 if not anywhere and not self.sinks[stage].main_grad:
                     param.grad = None
 
-    def average(self, tensors: list[torch.Tensor], wait: Callable[[Collective], None]) -> None:
-        """Averages the gradients of ``tensors``, trained beside the stages' parameters (parameters loss_fn holds),
-        over the replicas, in one all-reduce: each replica's loss saw its share of the batch, as each stage's did."""
-        grads = [tensor.grad if tensor.grad is not None else torch.zeros_like(tensor) for tensor in tensors]
+    def average(self, params: list[nn.Parameter], wait: Callable[[Collective], None]) -> None:
+        """Averages the gradients of ``params`` (loss_fn's, in its order, the same on every replica) over the
+        replicas in one all-reduce, as each replica's loss saw its share of the batch; one that no replica used keeps
+        none, as in one process."""
+        params = [param for param in params if param.requires_grad]
+        if not params:
+            return
+        flags = [param.grad is not None for param in params]
+        grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in params]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
+        used = self._used_flags(flags, flat.device)
         wait(Collective(lambda: dist.all_reduce(flat, group=self.group, async_op=True), [flat], self.group,
-                        "the data-parallel all-reduce of the gradients of tensors trained beside the stages' "
-                        f"parameters ({len(tensors)}: parameters loss_fn holds)"))
+                        "the data-parallel all-reduce of the gradients of loss_fn's parameters"))
+        wait(used)
         flat /= self.size
-        for tensor, part in zip(tensors, flat.split([grad.numel() for grad in grads])):
-            tensor.grad = part.view_as(tensor).clone()
+        anywhere = used.tensors[0].tolist() if not all(flags) else [True] * len(params)
+        for param, part, grad, kept in zip(params, flat.split([grad.numel() for grad in grads]), grads, anywhere):
+            param.grad = part.view_as(grad).clone() if kept else None
 
     def _used_flags(self, flags: list[bool], device: torch.device) -> Collective:
         """Starts the MAX all-reduce of which parameters each replica used. Where this one used them all, its

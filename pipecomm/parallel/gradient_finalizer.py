@@ -25,8 +25,11 @@ class GradientFinalizer:
 
     def __init__(self, modules: dict[int, nn.Module], sinks: dict[int, GradientSink], sharded: ShardedStages,
                  data_group: dist.ProcessGroup | None, shared: SharedParameters | None,
-                 collectives: PipelineCollectives):
+                 collectives: PipelineCollectives, loss_parameters: list[nn.Parameter]):
         self.sinks = sinks
+        # loss_fn's own parameters where this rank computes the loss (loss_fn an nn.Module, or a method of one): the
+        # replicas average them in this order, the same on each.
+        self.loss_parameters = loss_parameters
         self.sharded = sharded
         self.shared = shared
         self.collectives = collectives
@@ -50,13 +53,24 @@ class GradientFinalizer:
             self.data_parallel.start(stage)
 
     def finish_step(self, beside: list[torch.Tensor]) -> None:
-        """Waits for the replicas' reductions, averages over them the gradients of the tensors trained ``beside`` the
-        stages' parameters (loss_fn's); sums the shared parameters' gradients over their holders."""
+        """Waits for the replicas' reductions, averages over them the gradients of loss_fn's parameters; sums the
+        shared parameters' gradients over their holders. Other tensors trained ``beside`` the stages' parameters are
+        refused under data parallelism: no name pairs them across the replicas."""
         self._shared_in_place.check()
         if self.data_parallel:
             self.data_parallel.finish(self.collectives.wait)
-            if beside:
-                self.data_parallel.average(beside, self.collectives.wait)
+            known = {id(param) for param in self.loss_parameters}
+            unnamed = [tensor for tensor in beside if id(tensor) not in known]
+            if unnamed:
+                raise ValueError(
+                    f"Pipeline: under data parallelism, the step trained {len(unnamed)} tensor(s) of shapes "
+                    f"{[tuple(tensor.shape) for tensor in unnamed]} beside the stages' parameters that no module "
+                    "names (loss_fn's closure, or a tensor a stage keeps outside its modules' parameters): the "
+                    "replicas could not pair their gradients to average them. Make loss_fn an nn.Module that holds "
+                    "its parameters (they are averaged in its order), or register the tensor as a parameter of a "
+                    "stage module")
+            if self.loss_parameters:
+                self.data_parallel.average(self.loss_parameters, self.collectives.wait)
         if self.shared:
             self.shared.reduce_grads(self._sink_of, self.collectives.wait)
 
