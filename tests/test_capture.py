@@ -107,8 +107,18 @@ def test_a_deep_copy_of_a_captured_stage_is_a_stage_with_its_own_parameters():
     torch.testing.assert_close(chain(copies, x), expected, rtol=0, atol=0)
     averaged = torch.optim.swa_utils.AveragedModel(stages[1])
     assert averaged(torch.randn(3, 4)).shape == (3, 4)
-    model.eval()  # the copies run the eval capture as the stages do: the model's flags pick it
-    torch.testing.assert_close(chain(copies, x), model(x), rtol=0, atol=0)
+    # A copy's mode is its own, as a teacher's: copies in eval run the eval capture while the stages go on training.
+    for copied in copies:
+        copied.eval()
+    model.eval()
+    expected = model(x)
+    model.train()
+    torch.testing.assert_close(chain(copies, x), expected, rtol=0, atol=0)
+    torch.manual_seed(0)
+    trained = chain(stages, x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(trained, model(x), rtol=0, atol=0)
+    assert not torch.equal(trained, expected)
     model.settings.temperature = 0.5  # and refuse a value changed since the capture, as the stages do
     with raises("Settings (settings).temperature: 1.0 at the capture, 0.5 now"):
         copies[0](x)
@@ -397,6 +407,56 @@ class DropsOutTwice(nn.Module):
     def forward(self, x):
         h = nn.functional.dropout(self.first(x), 0.5, self.training)
         return self.second(nn.functional.dropout(h, 0.5, self.second.training))
+
+
+class EitherFlag(nn.Module):
+    """Drops out while either of two flags is set: a flip of either alone changes nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
+
+    def forward(self, x):
+        h = self.first(x)
+        if self.training or self.second.training:
+            h = nn.functional.dropout(h, 0.5, True)
+        return self.second(h)
+
+
+def test_flags_that_change_the_code_together_only_are_watched():
+    # Each flag was judged alone and dropped (its flip alone changed nothing): after model.eval() the training code,
+    # its dropout included, kept running, silently.
+    model = EitherFlag()
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    x = torch.randn(3, 4)
+    model.eval()
+    torch.testing.assert_close(chain(stages, x), model(x), rtol=0, atol=0)
+
+
+class NoisyInTraining(nn.Module):
+    """Adds noise to the first block's output in training only: in eval that output itself crosses the boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
+
+    def forward(self, x):
+        h = self.first(x)
+        if self.training:
+            h = h + 0.1 * torch.randn_like(h)
+        return self.second(h)
+
+
+def test_a_module_output_crossing_in_one_mode_only_keeps_both_modes():
+    # The comparison of the two captures' boundaries saw no value for a module's output: the eval mode was dropped and
+    # model.eval() refused.
+    model = NoisyInTraining()
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    x = torch.randn(3, 4)
+    model.eval()
+    torch.testing.assert_close(chain(stages, x), model(x), rtol=0, atol=0)
 
 
 def test_training_flags_that_pick_neither_capture_are_refused():

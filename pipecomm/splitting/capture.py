@@ -32,7 +32,7 @@ from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 
 from pipecomm.runtime import boundary
-from pipecomm.splitting.read_values import ReadValuesCheck, mattering, recording_reads
+from pipecomm.splitting.read_values import ReadValuesCheck, mattering, recording_reads, with_every_training_flag
 from pipecomm.splitting.stages import annotated_stages, shared_parameters
 
 __all__: list[str] = []
@@ -98,15 +98,17 @@ class CapturedStage(torch.fx.GraphModule):
         for name in ("stage_index", "num_stages", "layer_names", "shared_parameters", "shared_parameter_keys",
                      "boundary_names"):
             setattr(copied, name, copy.deepcopy(getattr(self, name), memo))
+        # The copy's mode is its own (an EMA teacher evaluates while the model trains).
+        own = {id(hook): hook.for_copy(copied) if isinstance(hook, ReadValuesCheck) else hook for hook in checks}
         for hook in checks:
-            copied.register_forward_pre_hook(hook, with_kwargs=True)
+            copied.register_forward_pre_hook(own[id(hook)], with_kwargs=True)
         modes = self.__dict__.get("_modes")
         if modes is not None:
             graphs = tuple(copied.graph if graph is self.graph else copy.deepcopy(graph, memo)
                            for graph in modes.graphs)
             for graph in graphs:
                 _attach_attributes(copied, graph, self, lambda value: copy.deepcopy(value, memo))
-            copied._modes = _Modes(modes.check, graphs)
+            copied._modes = _Modes(own.get(id(modes.check), modes.check), graphs)
         return copied
 
 
@@ -141,7 +143,8 @@ def capture_split(
             exported = capture()
         if not any(read.changed() for read in reads):
             break
-    reads, other_mode = mattering(reads, capture, exported.graph_module.code)
+    reads, other_mode = mattering(with_every_training_flag(reads, [*glue, *called_whole]), capture,
+                                  exported.graph_module.code)
 
     def cut(exported: torch.export.ExportedProgram, described: bool = True) -> list[CapturedStage]:
         graph = _outline_units(exported, set(units))
@@ -164,9 +167,15 @@ def capture_split(
                                        with_kwargs=True)
     # The forward's own code read training flags that change it (F.dropout(h, p, self.training)): the stages also hold
     # the capture of the other mode, and run the one the flags pick at each call, where both cut alike.
-    others = None if other_mode is None else _other_mode_graphs(model, built, lambda: cut(other_mode, described=False))
+    others, one_mode = None, ""
+    if isinstance(other_mode, Exception):
+        one_mode = f"could not be captured ({type(other_mode).__name__}: {str(other_mode).splitlines()[0][:300]})"
+    elif other_mode is not None:
+        others = _other_mode_graphs(model, built, lambda: cut(other_mode, described=False))
+        one_mode = "" if others is not None else ("cuts the model otherwise (other values cross the stages' "
+                                                  "boundaries, or other modules are called)")
     if reads:
-        check = ReadValuesCheck(model, reads, flippable=others is not None)
+        check = ReadValuesCheck(model, reads, flippable=others is not None, one_mode=one_mode)
         for index, stage in enumerate(built):
             stage.register_forward_pre_hook(check, with_kwargs=True)
             if others is not None:
@@ -564,6 +573,9 @@ class _Bindings(dict):
         super().__init__()
         self._unit_call_of, self._exported, self._graph = unit_call_of, exported, graph
 
+    def exported_value(self, name: str) -> Any:
+        return self._exported[name].meta.get("val")
+
     def __missing__(self, name: str):
         size = self._exported[name].meta.get("val")
         if isinstance(size, int):
@@ -641,6 +653,8 @@ def _emit_unit_call(graph: torch.fx.Graph, call: str, signature, values: dict, s
     for argument, node in zip(outputs, flat):
         if type(argument).__name__ != "ConstantArgument":
             values[argument.name] = node
+            # What the boundaries' comparison of two captures reads (a unit's output may cross one).
+            node.meta.setdefault("val", values.exported_value(argument.name))
 
 
 def _subtrees(leaves: list, spec):

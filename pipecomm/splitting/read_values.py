@@ -128,28 +128,29 @@ def _recording_class(original: type) -> type:
     return _SUBCLASSES[original]
 
 
+def with_every_training_flag(reads: list[ValueRead], modules: Sequence[tuple[str, nn.Module]]) -> list[ValueRead]:
+    """``reads``, where it holds a module's ``training`` flag, with those of all ``modules`` (the model's own outside
+    the stages' modules, and those): the capture records the flags its code read, which depend on their values
+    (``self.training or self.head.training`` reads the second only where the first is False)."""
+    if not any(_training_flag(read) for read in reads):
+        return reads
+    return [read for read in reads if not _training_flag(read)] + [
+        ValueRead(module, path, "training", module.training) for path, module in modules]
+
+
 def mattering(reads: list[ValueRead], capture_again: Callable[[], Any], captured: str) -> tuple[list[ValueRead], Any]:
-    """``reads`` but the ``training`` flags whose other value the capture would not notice, and the capture with the
-    remaining flags flipped (None where none remains or the forward cannot run so): the code the model's other mode
-    runs. The flags are flipped and the forward captured again (``capture_again``, a program with ``.graph_module``),
-    all at once, then, if that changed the code or failed, one by one; a flag whose flip leaves ``captured`` as it was
-    goes unwatched, so that ``model.eval()`` stays free where the forward only warns by it. Other values stay watched
-    without a second capture (a capture's time each)."""
+    """``reads``, but the modules' ``training`` flags where flipping them all together leaves ``captured`` as it was
+    (a forward that only warns by them: ``model.eval()`` stays free); and the capture with every flag flipped, the
+    code ``model.eval()`` (or ``model.train()``) runs: None where no flag matters, the error where it failed.
+    Flags are judged together, never one by one: ``if self.training or self.head.training`` changes with neither
+    alone. ``capture_again`` gives a program with ``.graph_module``; other values stay watched without a capture."""
     flags = [read for read in reads if _training_flag(read)]
     if not flags:
         return reads, None
     flipped = _captured_flipped(flags, capture_again)
-    if flipped is not None and flipped.graph_module.code == captured:
+    if not isinstance(flipped, Exception) and flipped.graph_module.code == captured:
         return [read for read in reads if read not in flags], None
-    if len(flags) == 1:
-        return reads, flipped
-    alone = {read: _captured_flipped([read], capture_again) for read in flags}
-    watched = [read for read in flags if alone[read] is None or alone[read].graph_module.code != captured]
-    if len(watched) == 1:
-        flipped = alone[watched[0]]
-    elif len(watched) < len(flags):
-        flipped = _captured_flipped(watched, capture_again)
-    return [read for read in reads if read not in flags or read in watched], flipped
+    return reads, flipped
 
 
 def _captured_flipped(flags: list[ValueRead], capture_again: Callable[[], Any]) -> Any:
@@ -157,8 +158,8 @@ def _captured_flipped(flags: list[ValueRead], capture_again: Callable[[], Any]) 
         vars(read.owner)[read.name] = not read.value
     try:
         return capture_again()
-    except Exception:  # noqa: BLE001 - a forward that cannot run with them flipped depends on them
-        return None
+    except Exception as error:  # noqa: BLE001 - a forward that cannot run with them flipped depends on them
+        return error
     finally:
         for read in flags:
             vars(read.owner)[read.name] = read.value
@@ -169,11 +170,24 @@ class ReadValuesCheck:
     would compute what the capture saw. The ``training`` flags among them may all take their other value where split
     captured the forward in both modes (``flippable``): the stage then runs that capture (``picked``)."""
 
-    def __init__(self, model: nn.Module, reads: list[ValueRead], flippable: bool):
+    def __init__(self, model: nn.Module, reads: list[ValueRead], flippable: bool, one_mode: str = ""):
         self.model_name = type(model).__name__
         self.reads = reads
         self.flags = [read for read in reads if _training_flag(read)]
         self.flippable = flippable
+        self.one_mode = one_mode  # why split could not keep the other mode too
+
+    def for_copy(self, copy: nn.Module) -> ReadValuesCheck:
+        """The check of a deep copy of a stage (an EMA teacher): its mode is its own ``training``, not the model's
+        flags, which the original stages train by; the other values read stay the model's."""
+        captured = {read.value for read in self.flags}
+        if len(captured) != 1:
+            return self  # captured in a mixed mode: the copy changes no flag either
+        check = ReadValuesCheck.__new__(ReadValuesCheck)
+        check.model_name, check.flippable, check.one_mode = self.model_name, self.flippable, self.one_mode
+        check.flags = [ValueRead(copy, "", "training", captured.pop())]
+        check.reads = [read for read in self.reads if read not in self.flags] + check.flags
+        return check
 
     def picked(self) -> int | None:
         """Which capture the training flags read pick: 0 the one split kept (all as they were), 1 the other mode's
@@ -206,6 +220,8 @@ class ReadValuesCheck:
                 + "; ".join(changed)
                 + (". It was captured in training and in eval mode, with these flags all True or all False"
                    if mixed else "")
+                + (f". Split kept one mode only: the other {self.one_mode}"
+                   if self.one_mode and any(read.changed() for read in self.flags) else "")
                 + ". The stages would compute what the capture saw. Set them before split, move what reads them into "
                 "a module (nn.Dropout rather than F.dropout(x, p, self.training)), or split the model again after "
                 "the change (a Pipeline of its own)")
