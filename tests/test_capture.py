@@ -396,26 +396,25 @@ def test_a_model_whose_forward_reads_its_training_flag_evaluates_and_trains_agai
     torch.testing.assert_close(chain(stages, x), expected, rtol=0, atol=0)
 
 
-class DropsOutTwice(nn.Module):
-    """Two training flags read outside the annotated modules: its own and its second block's."""
+class TwoBlocks(nn.Module):
+    """Two Linear blocks annotated onto two stages; subclasses write the forward around them."""
 
     def __init__(self):
         super().__init__()
         self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
         self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
+
+
+class DropsOutTwice(TwoBlocks):
+    """Two training flags read outside the annotated modules: its own and its second block's."""
 
     def forward(self, x):
         h = nn.functional.dropout(self.first(x), 0.5, self.training)
         return self.second(nn.functional.dropout(h, 0.5, self.second.training))
 
 
-class EitherFlag(nn.Module):
+class EitherFlag(TwoBlocks):
     """Drops out while either of two flags is set: a flip of either alone changes nothing."""
-
-    def __init__(self):
-        super().__init__()
-        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
-        self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
 
     def forward(self, x):
         h = self.first(x)
@@ -434,13 +433,8 @@ def test_flags_that_change_the_code_together_only_are_watched():
     torch.testing.assert_close(chain(stages, x), model(x), rtol=0, atol=0)
 
 
-class NoisyInTraining(nn.Module):
+class NoisyInTraining(TwoBlocks):
     """Adds noise to the first block's output in training only: in eval that output itself crosses the boundary."""
-
-    def __init__(self):
-        super().__init__()
-        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
-        self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
 
     def forward(self, x):
         h = self.first(x)
