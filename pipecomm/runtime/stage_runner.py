@@ -47,7 +47,7 @@ class EagerStage:
         self.offloader: ActivationOffloader | None = None  # the rank's, when activations go to host memory
         self.micro_batches: dict[int, MicroBatch] = {}
         # Tensors requiring grad that the stage's forward reads and that are none of its parameters (kept in a plain
-        # attribute or a list): looked for once, at the first forward a backward asks for parameters by name.
+        # attribute or a list): looked for once, at the first training forward.
         self._unregistered: list[torch.Tensor] | None = None
         # This step's leaves beside the stage's parameters (those and loss_fn's), by id: data parallelism averages
         # their gradients over the replicas as it does the parameters'.
