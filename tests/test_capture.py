@@ -722,3 +722,28 @@ def test_a_module_called_with_a_value_the_capture_cannot_keep_is_named():
                 "a module's call (a str, a size read from a tensor's shape, an object of its own) ('scales' is called "
                 "with the str 'double')"):
         pipecomm.split(PassesAString(), 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+
+
+class SharedEmbedding(nn.Module):
+    """An embedding registered as ``shared`` and used only through a tied one, as BART's and T5's."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared, self.embed, self.head = nn.Embedding(10, 4), nn.Embedding(10, 4), nn.Linear(4, 4)
+        self.embed.weight = self.shared.weight
+        self.embed.pipeline_stage, self.head.pipeline_stage = 0, 1
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+def test_a_parameter_under_a_name_no_stage_holds_is_saved_under_it_too():
+    # The merged checkpoint lacked shared.weight, so a strict load into the unsplit model failed.
+    model = SharedEmbedding()
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.zeros(2, 3, dtype=torch.long),))
+    merged = pipecomm.merge_checkpoints([stage.state_dict() for stage in stages])
+    fresh = SharedEmbedding()
+    fresh.load_state_dict(merged, strict=True)
+    torch.testing.assert_close(fresh.shared.weight, model.shared.weight, rtol=0, atol=0)
+    for stage in stages:
+        stage.load_state_dict(stage.state_dict(), strict=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import inspect
 import itertools
 import operator
@@ -180,6 +181,7 @@ def capture_split(
             stage.register_forward_pre_hook(check, with_kwargs=True)
             if others is not None:
                 stage._modes = _Modes(check, (stage.graph, others[index]))
+    _name_unheld_aliases(model, built)
     chosen = [built[index] for index in stages]
     if device is not None:
         for module in chosen:
@@ -816,6 +818,31 @@ def _cut(model, exported, graph: torch.fx.Graph, placement: dict, num_stages: in
         stages.append(module)
         received = crossing
     return stages
+
+
+def _name_unheld_aliases(model: nn.Module, built: list[CapturedStage]) -> None:
+    """A parameter the model also registers under a name no stage holds (BART's and T5's ``shared`` embedding, used
+    only as the encoder's and decoder's ``embed_tokens``) is saved under that name too, by the lowest stage holding it,
+    and that name is taken off again at loading: merged checkpoints then load strictly into the unsplit model."""
+    held = [{id(param): name for name, param in stage.named_parameters(remove_duplicate=False)} for stage in built]
+    names = {name for stage in built for name in stage.state_dict()}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        holder = next((index for index, own in enumerate(held) if id(param) in own), None)
+        if name in names or holder is None:
+            continue
+        stage, own = built[holder], held[holder][id(param)]
+        stage._register_state_dict_hook(functools.partial(_saved_also_as, own, name))
+        stage._register_load_state_dict_pre_hook(functools.partial(_loaded_without, name))
+        names.add(name)
+
+
+def _saved_also_as(own: str, alias: str, module, state_dict, prefix, local_metadata) -> None:
+    if prefix + own in state_dict:
+        state_dict[prefix + alias] = state_dict[prefix + own]
+
+
+def _loaded_without(alias: str, state_dict, prefix, *args) -> None:
+    state_dict.pop(prefix + alias, None)
 
 
 def _argument_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
