@@ -97,10 +97,10 @@ class _ReportInput(torch.autograd.Function):
             # A differentiable backward (create_graph=True) outside the I pass: the model's own torch.autograd.grad
             # in its forward. What it builds reads the weight's alias, which no pass asks a gradient for.
             raise RuntimeError(
-                "torch.autograd.grad(..., create_graph=True) through an nn.Linear during the step's forward (a gradient "
-                "penalty, a meta-learning inner step): the zero-bubble schedules defer Linear weight gradients and "
-                "would drop the second-order part of them; use a schedule without the split backward (1f1b, "
-                "interleaved-1f1b, gpipe)")
+                "torch.autograd.grad(..., create_graph=True) through an nn.Linear during the step's forward (a "
+                "gradient penalty, a meta-learning inner step): the zero-bubble schedules defer Linear weight "
+                "gradients and would drop the second-order part of them; use a schedule without the split backward "
+                "(1f1b, interleaved-1f1b, gpipe)")
         return grad_output, None, None, None, None
 
 
@@ -167,6 +167,20 @@ def defer_linear_weight_grads(modules: Iterable[nn.Module], store: WeightGradSto
     return undo
 
 
+def autograd_nodes(roots: Sequence[torch.Tensor], stop: set | frozenset = frozenset()) -> dict:
+    """The autograd nodes a backward from ``roots`` reaches, in the order a walk meets them (as the keys of a dict),
+    not going past those in ``stop``."""
+    reached: dict = {}
+    pending = [root.grad_fn for root in roots]
+    while pending:
+        node = pending.pop()
+        if node is None or node in reached or node in stop:
+            continue
+        reached[node] = None
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return reached
+
+
 def check_reported(deferrals: Sequence[Deferral], roots: Sequence[torch.Tensor], where: str) -> None:
     """Raises, naming the layers, if a backward from ``roots`` reached a deferral among ``deferrals`` that reported
     nothing: their weight gradients would be missing (a deferral that is not reached, like its layer's output, had no
@@ -174,13 +188,7 @@ def check_reported(deferrals: Sequence[Deferral], roots: Sequence[torch.Tensor],
     silent = {node: name for name, node in deferrals if not node.reported}
     if not silent:
         return
-    reached, pending = set(), [root.grad_fn for root in roots if root.grad_fn is not None]
-    while pending:
-        node = pending.pop()
-        if node in reached:
-            continue
-        reached.add(node)
-        pending.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    reached = autograd_nodes(roots)
     missing = [name for node, name in silent.items() if node in reached]
     if missing:
         raise RuntimeError(

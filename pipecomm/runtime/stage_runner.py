@@ -12,7 +12,7 @@ from torch import nn
 from pipecomm.runtime import boundary
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.offload import ActivationOffloader
-from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported
+from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradStore, autograd_nodes, check_reported
 from pipecomm.schedules.schedule import Schedule
 
 __all__: list[str] = []
@@ -242,21 +242,13 @@ def leaves_beside(roots: Sequence[torch.Tensor], reached: Sequence[torch.Tensor]
     """The leaves requiring grad that ``roots`` reach other than through the tensors whose gradients the backward
     already asks for (``reached``: the stage's outputs, received and caller's tensors), ``module``'s parameters and
     the ``store``'s weight aliases: a walk of the roots' autograd nodes, which stops where those tensors were made."""
-    made = {tensor.grad_fn for tensor in reached if tensor.grad_fn is not None}
     known = {id(tensor) for tensor in (*reached, *(store.aliases() if store else ()))}
-    found, seen, todo = [], set(), [root.grad_fn for root in roots]
-    while todo:
-        node = todo.pop()
-        if node is None or node in made or node in seen:
-            continue
-        seen.add(node)
+    found = []
+    for node in autograd_nodes(roots, {tensor.grad_fn for tensor in reached if tensor.grad_fn is not None}):
         leaf = getattr(node, "variable", None)  # an AccumulateGrad's
-        if leaf is not None:
-            if id(leaf) not in known:
-                known.add(id(leaf))
-                found.append(leaf)
-            continue
-        todo.extend(following for following, _ in node.next_functions)
+        if leaf is not None and id(leaf) not in known:
+            known.add(id(leaf))
+            found.append(leaf)
     if found:  # a stage parameter the loss reads too (a tied head) is asked for already
         params = {id(param) for param in module.parameters()}
         found = [leaf for leaf in found if id(leaf) not in params]

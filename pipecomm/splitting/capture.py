@@ -579,7 +579,7 @@ class _Bindings(dict):
         return self._exported[name].meta.get("val")
 
     def __missing__(self, name: str):
-        size = self._exported[name].meta.get("val")
+        size = self.exported_value(name)
         if isinstance(size, int):
             return size
         if isinstance(size, torch.SymInt):
@@ -964,19 +964,10 @@ def _model_attributes(model: nn.Module, graph: torch.fx.Graph) -> dict[str, Any]
     found = {}
     for node in graph.nodes:
         if node.op in ("get_attr", "call_module") and not node.target.startswith("_pipecomm_"):
-            try:
-                found[node.target] = model.get_submodule(node.target) if node.op == "call_module" else _attribute(model, node.target)
-            except AttributeError:
-                pass  # a lifted constant of the capture, supplied from the graph's attributes
+            value = _resolved(model, node.target)
+            if value is not _MISSING:  # else a lifted constant of the capture, supplied from the graph's attributes
+                found[node.target] = value
     return found
-
-
-def _attribute(model: nn.Module, target: str):
-    owner_name, _, field = target.rpartition(".")
-    owner = model.get_submodule(owner_name)
-    if not hasattr(owner, field):
-        raise AttributeError(target)
-    return getattr(owner, field)
 
 
 def _keep_buffers_non_persistent(model: nn.Module, stage: nn.Module) -> None:
