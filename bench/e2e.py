@@ -31,7 +31,8 @@ ScheduleZBVZeroBubble and ScheduleDualPipeV (V) through PipelineStage, all in th
 fails, or a torch schedule this torch lacks, is reported as an error string. "auto" (Pipeline(schedule="auto"))
 runs zb-h1 for its measured steps before timing starts, whatever --warmup says, and reports the schedule it
 planned and the F, I and W it planned for; its theory column is the plan's simulated bubble. Any pipecomm schedule
-may also be named with "+eager", "+graphs" or "+offload" (Pipeline(offload=True): "zb-h2+offload").
+may also be named with "+eager", "+graphs", "+offload" (Pipeline(offload=True): "zb-h2+offload") or "+norms"
+(Pipeline(recompute=...) picking the LayerNorm and RMSNorm layers: "1f1b+norms"), several in any order.
 
 Targets, against torch 1F1B in the same run: compute: pipecomm 1f1b >= 1.0x speed at <= 0.85x peak memory;
 the best pipecomm schedule >= 1.08x; the best at <= torch 1F1B's peak memory (the largest rank's; zb-h2, which
@@ -87,7 +88,8 @@ VIRTUAL = 2  # chunks per rank for the interleaved schedules
 GRAPHS = "+graphs"  # suffix: the same schedule with Pipeline(cuda_graphs=True)
 EAGER = "+eager"  # suffix: with Pipeline(cuda_graphs=False); a plain row is the default, cuda_graphs="auto"
 OFFLOAD = "+offload"  # suffix: with Pipeline(offload=True), activations to host memory where the plan says
-SUFFIXES = (GRAPHS, EAGER, OFFLOAD)
+NORMS = "+norms"  # suffix: with Pipeline(recompute=...) picking the normalization layers (selective recomputation)
+SUFFIXES = (GRAPHS, EAGER, OFFLOAD, NORMS)
 TRANSPORT = "@"  # "1f1b@dist": the schedule with Pipeline(transport="dist") (--transport)
 TRANSPORTS = ("auto", "shm", "dist", "ipc")
 AUTO = "auto"  # Pipeline(schedule="auto"): zb-h1 while it measures F, I and W, then its plan
@@ -210,11 +212,18 @@ def build_chunk(layers: range, config: Config, device: torch.device, dtype: torc
 
 
 def base_schedule(row_name: str) -> str:
-    """A pipecomm row's schedule name without its +graphs, +eager, +offload and @transport suffixes."""
-    name = row_name.partition(TRANSPORT)[0]
-    for suffix in SUFFIXES:
-        name = name.removesuffix(suffix)
-    return name
+    """A pipecomm row's schedule name without its suffixes (+graphs, +eager, +offload, +norms) and @transport."""
+    return row_name.partition(TRANSPORT)[0].partition("+")[0]
+
+
+def row_suffixes(row_name: str) -> set[str]:
+    """The suffixes a row's name carries, in any order: "zb-v+norms+graphs" -> {"+norms", "+graphs"}."""
+    return {"+" + word for word in row_name.partition(TRANSPORT)[0].split("+")[1:]}
+
+
+def is_normalization(module: nn.Module) -> bool:
+    """The layers +norms recomputes: LayerNorm, RMSNorm and their Hugging Face kin (LlamaRMSNorm), by class name."""
+    return type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
 
 
 def layout_of(row_name: str) -> str:
@@ -458,8 +467,10 @@ class Rank:
         import pipecomm
 
         schedule, _, backend = schedule.partition(TRANSPORT)
-        cuda_graphs = True if schedule.endswith(GRAPHS) else False if schedule.endswith(EAGER) else "auto"
-        offload = schedule.endswith(OFFLOAD)
+        suffixes = row_suffixes(schedule)
+        cuda_graphs = True if GRAPHS in suffixes else False if EAGER in suffixes else "auto"
+        offload = OFFLOAD in suffixes
+        recompute = is_normalization if NORMS in suffixes else False
         schedule = base_schedule(schedule)
         stage_ranks = placement(layout_of(schedule), self.args.ranks)
         held = chunk_layers(stage_ranks, self.rank, self.args.layers)
@@ -477,6 +488,7 @@ class Rank:
             timeout=float(self.args.timeout),
             cuda_graphs=cuda_graphs,
             offload=offload,
+            recompute=recompute,
             device_timing=bool(self.args.trace) and self.cuda,
         )
         inputs, target = self.batch(config)
@@ -929,10 +941,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.config_list:
         if name not in CONFIGS:
             parser.error(f"unknown config {name!r}; known: {', '.join(CONFIGS)}")
-    # Any pipecomm schedule may be named with a suffix (+eager, +graphs, +offload), beyond the rows "all" runs.
+    # Any pipecomm schedule may be named with suffixes (+eager, +graphs, +offload, +norms), beyond the rows "all" runs.
     pipecomm_bases = {base_schedule(name) for name in PIPECOMM_SCHEDULES}
     for name in args.schedule_list:
-        if name not in known and not (name.endswith(SUFFIXES) and base_schedule(name) in pipecomm_bases):
+        suffixed = row_suffixes(name) and row_suffixes(name) <= set(SUFFIXES)
+        if name not in known and not (suffixed and base_schedule(name) in pipecomm_bases):
             parser.error(f"unknown schedule {name!r}; known: {', '.join(known)}, any of them + {', '.join(SUFFIXES)}")
     args.schedule_list = [name if name in TORCH_SCHEDULES or backend == "auto" else f"{name}{TRANSPORT}{backend}"
                           for name in args.schedule_list

@@ -91,14 +91,15 @@ class Pipeline:
     micro-batch that does not fit the graphs runs eagerly, and a parameter moved or frozen, a module attribute set
     anew (``eval()``, a dropout's ``p``) or autocast changed drops them until the shapes hold again. It stays eager,
     with a one-line warning, where a capture or its check fails, and says nothing where graphs do not apply (CPU,
-    offload, recompute, sharded or tensor-parallel stages). ``cuda_graphs=True``
+    offload, sharded or tensor-parallel stages). ``cuda_graphs=True``
     captures at the first step, unchecked, and refuses any change (not with schedule "auto"); False never captures.
     Graphs keep each in-flight micro-batch's activations in their own memory (docs/using.md, "CUDA graphs").
     ``device_timing=True`` times compute actions with CUDA events, so that ``bubble_fraction()`` reports the GPU's
     bubble.
     ``recompute=True`` recomputes each stage's forward during its backward (activation checkpointing),
     keeping only the stage's inputs between the two; a callable ``module -> bool`` checkpoints only the
-    submodules it picks (selective recomputation, as Megatron's ``recompute_modules``).
+    submodules it picks (selective recomputation, as Megatron's ``recompute_modules``); with CUDA graphs too, whose
+    backward replays draw a recomputed dropout's masks as the forward did.
     ``offload=True`` moves saved activations to host memory while they wait for their backward, where the
     schedule leaves time to copy them out and back behind compute, as planned from the first step's measurements
     (with "auto", from its measured steps, for each schedule it runs); an ``OffloadPlan`` made for this schedule is
@@ -153,8 +154,7 @@ class Pipeline:
                           device_timing=device_timing, main_grad=main_grad, offload=offload)
             if isinstance(offload, OffloadPlan):
                 check_plan(offload, starting)  # before any communication: each rank raises its own error
-            cuda_graphs = graph_mode(cuda_graphs, self.device, modules, sharded=bool(sharded), offload=offload,
-                                     recompute=recompute)
+            cuda_graphs = graph_mode(cuda_graphs, self.device, modules, sharded=bool(sharded), offload=offload)
             # With cuda_graphs=True too: the first step runs eagerly, timed, and the graphs capture the rebuilt order.
             refit = isinstance(schedule, str) and built_for_costs(schedule)
             timed_on_device = device_timing or ((auto or refit or offload is True) and self.device.type == "cuda")

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from pipecomm.runtime import cuda_graphs
+from pipecomm.runtime import cuda_graphs, graph_random
 
 
 class StandInGraph:
@@ -107,5 +107,6 @@ def stand_in_graphs(monkeypatch, inert: bool = False) -> None:
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None)
     monkeypatch.setattr(cuda_graphs, "_capture_into", _capture_into)
     monkeypatch.setattr(cuda_graphs, "_release_random_state", lambda device, state: None)
+    monkeypatch.setattr(graph_random, "_capture_offset", lambda device: 0)  # a CPU run draws from no CUDA generator
     monkeypatch.setattr(StandInGraph, "replays", 0)
     monkeypatch.setattr(StandInGraph, "inert", inert)

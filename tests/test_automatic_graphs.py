@@ -30,11 +30,10 @@ TOLERANCE = dict(rtol=1e-5, atol=1e-6)
     ("cpu", {}, False),
     ("cuda", {}, "auto"),
     ("cuda", {"offload": True}, False),
-    ("cuda", {"recompute": True}, False),
     ("cuda", {"sharded": True}, False),
 ])
 def test_auto_applies_only_where_graphs_can_serve(device, options, expected):
-    settings = {"sharded": False, "offload": False, "recompute": False, **options}
+    settings = {"sharded": False, "offload": False, **options}
     assert graph_mode("auto", torch.device(device), [nn.Linear(2, 2)], **settings) == expected
     assert graph_mode(True, torch.device(device), [nn.Linear(2, 2)], **settings) is True
     assert graph_mode(False, torch.device(device), [nn.Linear(2, 2)], **settings) is False
@@ -306,6 +305,54 @@ class Checkpointed(Scaled):
 def test_checkpointed_layers_replay_as_one_process():
     _, states = _train(5, module=Checkpointed())
     assert states == ["watching", "to capture", "replaying", "replaying", "replaying"]
+
+
+class CheckpointedDropout(Scaled):
+    """A dropout inside the model's own checkpoint: its recomputation in the backward redraws the forward's mask."""
+
+    def forward(self, x):
+        hidden = checkpoint(lambda x: nn.functional.dropout(self.first(x), 0.5), x, use_reentrant=False)
+        return self.second(torch.tanh(hidden)) * self.scale
+
+
+@contextlib.contextmanager
+def _seeded(step: int):
+    torch.manual_seed(100 + step)
+    yield
+
+
+@needs_cuda
+def test_a_recomputed_dropout_replays_the_forward_masks_as_one_process():
+    """A backward graph's recomputation rewinds the generator within its own graph: replayed from anywhere but its
+    forward's start, it drew other masks than the forward's (gradients off by 100%, and the check passed)."""
+    _, states = _train(6, module=CheckpointedDropout(), around_step=_seeded)
+    assert states[2:] == ["replaying"] * 4
+
+
+class NoisyBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + 1e-3 * torch.randn_like(grad)
+
+
+class DrawsBothWays(Scaled):
+    def forward(self, x):
+        return NoisyBackward.apply(nn.functional.dropout(super().forward(x), 0.5))
+
+
+@needs_cuda
+def test_graphs_whose_forward_and_backward_both_draw_random_numbers_are_refused():
+    """A backward replayed from its forward's random state (for a recomputation) cannot also draw its own numbers
+    where eager does."""
+    torch.manual_seed(0)
+    pipe = _pipeline(DrawsBothWays().cuda(), cuda_graphs=True)
+    with pytest.raises(ValueError, match="forward and backward passes .* both draw random numbers"):
+        pipe.step(torch.randn(16, 8, device="cuda"), target=torch.randn(16, 8, device="cuda"))
+    pipe.close()
 
 
 class Branchy(Scaled):

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from models import HIDDEN, Block
-from ranks import held_stages, run_ranks
+from equivalence import GRAPH_OPTION
+from ranks import held_stages, needs_cuda, rank_device, run_ranks
 
 import pipecomm
 from pipecomm.runtime import stage_runner
@@ -169,17 +170,21 @@ def seed(step: int, stage: int) -> int:
     return 1000 * step + stage
 
 
-def dropout_masks_survive_recomputation(rank: int, world_size: int, recompute) -> str:
+def dropout_masks_survive_recomputation(rank: int, world_size: int, recompute, kind: str = "cpu",
+                                        steps: int = STEPS) -> str:
     """Stage s draws its masks from seed(step, s), on its rank as in the reference, which runs each stage over the
-    micro-batches in order; the recomputation must draw the forward's masks and leave the random state as it was."""
+    micro-batches in order; the recomputation must draw the forward's masks and leave the random state as it was.
+    ``kind`` as tests/equivalence.py's: on GPUs the reference runs on the rank's GPU, whose generator draws the masks."""
+    device = rank_device(rank, "cuda" if kind.startswith("cuda") else "cpu")
     for schedule in ("gpipe", "1f1b", "zb-h1"):
         torch.manual_seed(0)
-        stages = [nn.Sequential(DropoutBlock(), nn.Linear(HIDDEN, HIDDEN)) for _ in range(world_size)]
+        stages = [nn.Sequential(DropoutBlock(), nn.Linear(HIDDEN, HIDDEN)).to(device) for _ in range(world_size)]
         reference = copy.deepcopy(stages)
         pipe = pipecomm.Pipeline(stages[rank], stage=rank, num_stages=world_size, loss_fn=mse,
-                                 micro_batches=MICRO_BATCHES, schedule=schedule, timeout=30, recompute=recompute)
-        for step in range(STEPS):
-            x, target = batch(step)
+                                 micro_batches=MICRO_BATCHES, schedule=schedule, timeout=30, recompute=recompute,
+                                 cuda_graphs=GRAPH_OPTION[kind])
+        for step in range(steps):
+            x, target = (tensor.to(device) for tensor in batch(step))
             torch.manual_seed(seed(step, rank))
             loss = pipe.step(x, target=target)
             outputs = list(x.chunk(MICRO_BATCHES))
@@ -192,6 +197,9 @@ def dropout_masks_survive_recomputation(rank: int, world_size: int, recompute) -
             for (name, param), ref_param in zip(stages[rank].named_parameters(), reference[rank].parameters()):
                 torch.testing.assert_close(param.grad, ref_param.grad, **TOLERANCE, msg=f"{schedule}, {name}, {step}")
                 param.grad = ref_param.grad = None
+        if kind in ("cuda-graphs", "cuda-auto"):  # a trial may drop graphs no faster than eager on the GPU
+            state = pipe.cuda_graph_states[rank]
+            assert state == "replaying" or state.startswith("eager: replaying its CUDA graphs took"), (schedule, state)
         pipe.close()
     return "ok"
 
@@ -199,6 +207,15 @@ def dropout_masks_survive_recomputation(rank: int, world_size: int, recompute) -
 @pytest.mark.parametrize("recompute", [True, dropout_blocks], ids=["whole-stages", "selective"])
 def test_dropout_in_recomputed_stages_draws_the_forward_masks(tmp_path, recompute):
     run_ranks(2, dropout_masks_survive_recomputation, tmp_path, recompute, timeout=120)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["cuda-graphs", "cuda-auto"])
+@pytest.mark.parametrize("recompute", [True, dropout_blocks], ids=["whole-stages", "selective"])
+def test_dropout_in_recomputed_stages_replaying_cuda_graphs_draws_the_forward_masks(tmp_path, recompute, kind):
+    """Each backward graph's recomputation redraws its forward's masks: it replays from where its forward's replay
+    began (a captured recomputation rewinds the generator within its own graph, which alone drew other masks)."""
+    run_ranks(2, dropout_masks_survive_recomputation, tmp_path, recompute, kind, 5, timeout=240)
 
 
 # -- what stays alive between forward and backward -----------------------------------------------
@@ -361,15 +378,6 @@ def test_recompute_must_be_a_bool_or_a_callable(recompute):
 def test_the_callable_must_answer_with_a_bool():
     with pytest.raises(ValueError, match=r"recompute\(Block\) returned None"):
         checkpoint_stages([Block()], lambda module: None)
-
-
-@pytest.mark.parametrize("recompute", [True, blocks_and_gates], ids=["whole-stage", "selective"])
-def test_cuda_graphs_are_refused(recompute):
-    stage = Gated(last=True)
-    with pytest.raises(ValueError, match="cuda_graphs"):
-        checkpoint_stages([stage], recompute, cuda_graphs=True)
-    assert not any("forward" in module.__dict__ for module in stage.modules())
-    checkpoint_stages([stage], False, cuda_graphs=True)()
 
 
 def test_only_the_outermost_picked_modules_are_wrapped_and_undo_restores_every_forward():

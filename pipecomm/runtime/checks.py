@@ -81,16 +81,16 @@ def check_configuration(modules, stages, num_stages, num_ranks, schedule) -> Non
                              "cuda_graphs=True to the Pipeline for graphs that hold each micro-batch apart")
 
 
-def graph_mode(cuda_graphs, device: torch.device, modules, *, sharded: bool, offload, recompute) -> bool | str:
+def graph_mode(cuda_graphs, device: torch.device, modules, *, sharded: bool, offload) -> bool | str:
     """``cuda_graphs`` as the stages run it: True and False as given; "auto" is False where graphs cannot serve: off a
-    GPU, with offload or recomputation (a graph's pool would keep the memory they free), and on sharded or
+    GPU, with offload (a graph replays into the same memory, which cannot leave the device), and on sharded or
     tensor-parallel stages (whose collectives run between a stage's kernels)."""
     if cuda_graphs not in (True, False, "auto"):
         raise ValueError(f'Pipeline: cuda_graphs must be True, False or "auto", not {cuda_graphs!r}')
     if cuda_graphs != "auto":
         return cuda_graphs
     tensor_parallel = any(isinstance(p, DTensor) for module in modules for p in module.parameters())
-    serves = device.type == "cuda" and not (sharded or tensor_parallel or offload is not False or recompute)
+    serves = device.type == "cuda" and not (sharded or tensor_parallel or offload is not False)
     return "auto" if serves else False
 
 

@@ -43,8 +43,9 @@ from pipecomm.runtime.capture_state import CaptureState
 from pipecomm.runtime.checks import gradient_hook
 from pipecomm.runtime.gradient_sink import GradientSink
 from pipecomm.runtime.graph_check import GraphCheckError, detached, largest_difference, largest_entry, off_zero, signed
-from pipecomm.runtime.graph_order import GraphGroup
 from pipecomm.runtime.graph_gradients import GradientAccumulators
+from pipecomm.runtime.graph_order import GraphGroup
+from pipecomm.runtime.graph_random import ForwardRandomStates
 from pipecomm.runtime.split_backward import DeferredGrad, Deferral, WeightGradStore, check_reported, weight_grad
 from pipecomm.runtime.stage_runner import (free_data, held_only_by_themselves, leaves_beside, leaves_beside_said,
                                            run_backward)
@@ -125,6 +126,7 @@ class GraphedStage:
         self._input_grads: list[torch.Tensor | None] = []  # per input tensor
         self._param_grads: list[torch.Tensor | None] = []  # per parameter, without accumulators
         self._returned: dict[str, list[bool]] = {}  # per backward kind: the parameters it returns gradients of
+        self._random = ForwardRandomStates(None, stage)  # each capture's: none drawn before one
 
     @property
     def captured(self) -> bool:
@@ -198,7 +200,11 @@ class GraphedStage:
         return self._returned_grads("W")
 
     def _launch(self, kind: str, micro_batch: int) -> None:
-        self._group.launch(self.stage, kind, micro_batch, self._graphs.get((kind, micro_batch)))
+        kept = self._random.before(kind, micro_batch)
+        try:
+            self._group.launch(self.stage, kind, micro_batch, self._graphs.get((kind, micro_batch)))
+        finally:
+            self._random.after(kept)
 
     def _returned_grads(self, kind: str) -> list | None:
         if self.accumulators:
@@ -239,7 +245,7 @@ class GraphedStage:
         in the order they run) into one pool: what one stage holds while another's pass runs is then the pool's, as it
         is eager's, and one stage's freed activations serve another's. Warm-up runs first, then every capture, then,
         with ``checked``, each member's replays against its last warm-up. The modules' buffers (batch norm's running
-        statistics) are restored afterwards: these extra runs are no training step's. On failure the current stream
+        statistics) and the device's random state are restored afterwards: these extra runs are no training step's. On failure the current stream
         is restored and no member keeps a graph. A parameter's gradient hook is refused: a replay would run its
         kernels as captured, not the hook."""
         stages = {member.stage for member in members}
@@ -271,7 +277,11 @@ class GraphedStage:
                     for member in members:
                         references[member.stage] = member._warm_up(autocast, device, side, shared)
                         warmed[member.stage] = member._warmed_shared(shared)
+                    for member in members:
+                        member._random = ForwardRandomStates(device, member.stage)
                     cls._capture_passes(members, order, autocast, side, device)
+                    for member in members:
+                        member._random.check_captured()
                     for member in members:
                         if member.checked:
                             for tensor, value in warmed[member.stage]:
@@ -294,6 +304,7 @@ class GraphedStage:
             with torch.no_grad():
                 for buffer, value in buffers:
                     buffer.copy_(value)
+        torch.cuda.set_rng_state(random_state, device)
         group = GraphGroup(order)
         for member in members:
             member._group = group
@@ -406,14 +417,16 @@ class GraphedStage:
 
     def _pass(self, kind: str, micro_batch: int, held: dict[int, _Captured]) -> Callable[[], None]:
         """The pass of ``kind`` for ``micro_batch``, to capture: a forward leaves what its backward reads in ``held``,
-        an I (which W reads after it) and W take it from there."""
-        if kind == "F":
-            def forward() -> None:
+        an I (which W reads after it) and W take it from there. Each notes whether it drew random numbers."""
+        def run() -> None:
+            if kind == "F":
                 held[micro_batch] = self._captured_forward()
-            return forward
-        if kind == "W":
-            return lambda: self._captured_weight_pass(held.pop(micro_batch))
-        return lambda: self._captured_input_pass(kind, held[micro_batch] if kind == "I" else held.pop(micro_batch))
+            elif kind == "W":
+                self._captured_weight_pass(held.pop(micro_batch))
+            else:
+                self._captured_input_pass(kind, held[micro_batch] if kind == "I" else held.pop(micro_batch))
+            self._random.note_capture(kind, micro_batch)
+        return run
 
     def _captured_forward(self) -> _Captured:
         leaves = self._leaves()
@@ -472,7 +485,11 @@ class GraphedStage:
                     backwards += 1
                     for landing, probe in zip(self._grad_outputs, probes):
                         torch.mul(probe, signs[micro_batch], out=landing)
-                self._graphs[(kind, micro_batch)].replay()
+                kept = self._random.before(kind, micro_batch)
+                try:
+                    self._graphs[(kind, micro_batch)].replay()
+                finally:
+                    self._random.after(kept)
                 difference = self._replay_difference(kind, signs.get(micro_batch), reference) if round_ == 0 else None
                 if difference:
                     raise GraphCheckError(f"stage {self.stage}: the first replay of the {kind} pass of micro-batch "

@@ -39,7 +39,6 @@ class PreparedStages:
                       for stage, module in modules.items()}
         self._modules = list(modules.values())
         self._recompute = recompute
-        self._cuda_graphs = cuda_graphs
         self.weight_grad_store: WeightGradStore | None = None
         self._undo_deferral = self._undo_recompute = _nothing
         self._fitted_to_split: bool | None = None  # whether the modules are fitted to a split backward; None: not fitted
@@ -103,5 +102,5 @@ class PreparedStages:
         self.weight_grad_store = WeightGradStore() if splits else None
         if self.weight_grad_store:
             self._undo_deferral = defer_linear_weight_grads(self._modules, self.weight_grad_store)
-        self._undo_recompute = checkpoint_stages(self._modules, self._recompute, cuda_graphs=self._cuda_graphs is True)
+        self._undo_recompute = checkpoint_stages(self._modules, self._recompute)
         self._fitted_to_split = splits

@@ -15,8 +15,7 @@ __all__: list[str] = []
 _MISSING = object()
 
 
-def checkpoint_stages(modules: list[nn.Module], recompute: bool | Callable[[nn.Module], bool], *,
-                      cuda_graphs: bool = False) -> Callable[[], None]:
+def checkpoint_stages(modules: list[nn.Module], recompute: bool | Callable[[nn.Module], bool]) -> Callable[[], None]:
     """Makes ``modules`` (``recompute=True``), or the outermost of their submodules for which ``recompute(module)``
     is True (the stage modules themselves included), recompute their forward during the backward; returns the undo.
 
@@ -30,11 +29,6 @@ def checkpoint_stages(modules: list[nn.Module], recompute: bool | Callable[[nn.M
         raise ValueError(f"Pipeline: recompute must be True, False or a callable module -> bool, not {recompute!r}")
     if recompute is False:
         return lambda: None
-    if cuda_graphs:
-        # Each captured micro-batch slot keeps its graphs' private memory pool, which would hold the activations its
-        # backward graph recomputes: the memory recomputation saves stays reserved.
-        raise ValueError("Pipeline: recompute cannot be combined with cuda_graphs=True, whose graphs keep the memory "
-                         "that recomputation frees; use one or the other")
     picked = list(modules) if recompute is True else _outermost(modules, recompute)
     originals = []
     for module in {id(module): module for module in picked}.values():
