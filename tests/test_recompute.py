@@ -174,7 +174,8 @@ def dropout_masks_survive_recomputation(rank: int, world_size: int, recompute, k
                                         steps: int = STEPS) -> str:
     """Stage s draws its masks from seed(step, s), on its rank as in the reference, which runs each stage over the
     micro-batches in order; the recomputation must draw the forward's masks and leave the random state as it was.
-    ``kind`` as tests/equivalence.py's: on GPUs the reference runs on the rank's GPU, whose generator draws the masks."""
+    ``kind`` as tests/equivalence.py's: on GPUs the reference runs on the rank's GPU, whose generator draws the
+    masks."""
     device = rank_device(rank, "cuda" if kind.startswith("cuda") else "cpu")
     for schedule in ("gpipe", "1f1b", "zb-h1"):
         torch.manual_seed(0)

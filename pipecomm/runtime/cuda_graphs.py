@@ -245,9 +245,9 @@ class GraphedStage:
         in the order they run) into one pool: what one stage holds while another's pass runs is then the pool's, as it
         is eager's, and one stage's freed activations serve another's. Warm-up runs first, then every capture, then,
         with ``checked``, each member's replays against its last warm-up. The modules' buffers (batch norm's running
-        statistics) and the device's random state are restored afterwards: these extra runs are no training step's. On failure the current stream
-        is restored and no member keeps a graph. A parameter's gradient hook is refused: a replay would run its
-        kernels as captured, not the hook."""
+        statistics) and the device's random state are restored afterwards: these extra runs are no training step's.
+        On failure the current stream is restored and no member keeps a graph. A parameter's gradient hook is refused:
+        a replay would run its kernels as captured, not the hook."""
         stages = {member.stage for member in members}
         order = tuple(step for step in order if step[0] in stages)
         for member in members:
