@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import weakref
 
 import pytest
@@ -398,3 +399,114 @@ def test_only_the_outermost_picked_modules_are_wrapped_and_undo_restores_every_f
     assert {name: module.forward for name, module in outer.named_modules()} == before
     assert outer["linear"].forward is forward
     assert not any("forward" in module.__dict__ for name, module in outer.named_modules() if name != "linear")
+
+
+# -- copies, and what a picked module reads besides its arguments --------------------------------
+
+
+def _one_stage_pipeline(module: nn.Module, recompute, schedule: str = "1f1b") -> pipecomm.Pipeline:
+    return pipecomm.Pipeline(module, stage=0, num_stages=1, loss_fn=mse, micro_batches=MICRO_BATCHES,
+                             schedule=schedule, recompute=recompute)
+
+
+@pytest.mark.parametrize("recompute", [True, lambda module: isinstance(module, Block)], ids=["whole-stage",
+                                                                                             "selective"])
+def test_a_copy_made_while_the_pipeline_recomputes_runs_its_own_weights(recompute):
+    """An EMA or teacher model deep-copied from a stage the Pipeline holds (torch.optim.swa_utils.AveragedModel) ran
+    the original's weights: the copy's forward was a closure over the original module."""
+    torch.manual_seed(0)
+    stage = nn.Sequential(Block(), Block())
+    pipe = _one_stage_pipeline(stage, recompute)
+    copied = copy.deepcopy(stage)
+    with torch.no_grad():
+        for param in copied.parameters():
+            param.mul_(0.5)
+    reference = copy.deepcopy(copied)
+    for module in reference.modules():
+        module.__dict__.pop("forward", None)  # plain modules, as they were before the Pipeline
+    x = torch.randn(BATCH, SEQ, HIDDEN)
+    torch.testing.assert_close(copied(x), reference(x), rtol=0, atol=0)
+    assert not torch.equal(copied(x), stage(x))
+    torch.save(stage, io.BytesIO())  # and the stage pickles
+    pipe.close()
+
+
+class Stashing(nn.Module):
+    """Sets a tensor on its child before calling it, which the child reads beside its argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = StashReader()
+
+    def forward(self, x):
+        self.block.scale = x.mean(dim=-1, keepdim=True)
+        return self.block(x)
+
+
+class StashReader(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.scale = None
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+
+class StashingInPlace(Stashing):
+    def __init__(self):
+        super().__init__()
+        self.block.scale = torch.zeros(BATCH // MICRO_BATCHES, SEQ, 1)
+
+    def forward(self, x):
+        self.block.scale.copy_(x.mean(dim=-1, keepdim=True))
+        return self.block(x)
+
+
+@pytest.mark.parametrize(("parent", "how"), [(Stashing, "replaced"), (StashingInPlace, "changed in place")])
+def test_a_picked_module_reading_a_tensor_its_parent_stashed_on_it_is_refused(parent, how):
+    """gpipe runs every micro-batch's forward before the first backward: the recomputation of micro-batch 0 would read
+    micro-batch 3's tensor, and its gradients came out 7-64% off, silently."""
+    torch.manual_seed(0)
+    pipe = _one_stage_pipeline(parent(), lambda module: isinstance(module, StashReader), schedule="gpipe")
+    with pytest.raises(RuntimeError, match=f"the recomputed StashReader reads its tensor attribute 'scale', which was "
+                                           f"{how} between this micro-batch's forward and its recomputation"):
+        x, target = batch(0)
+        pipe.step(x, target=target)
+    pipe.close()
+
+
+class Passing(nn.Module):
+    """The same, its tensor passed as an argument; the child keeps its own output for logging."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = OutputKeeper()
+
+    def forward(self, x):
+        return self.block(x, x.mean(dim=-1, keepdim=True))
+
+
+class OutputKeeper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x, scale):
+        self.last = torch.tanh(x).detach()  # set by the forward, not read by it
+        return self.proj(x) * scale
+
+
+def test_attributes_a_picked_module_sets_itself_are_not_refused():
+    torch.manual_seed(0)
+    module = Passing()
+    reference = copy.deepcopy(module)
+    pipe = _one_stage_pipeline(module, lambda module: isinstance(module, OutputKeeper), schedule="gpipe")
+    x, target = batch(0)
+    loss = pipe.step(x, target=target)
+    ref_loss = sum(mse(reference(xs), ts) for xs, ts in zip(x.chunk(MICRO_BATCHES), target.chunk(MICRO_BATCHES)))
+    (ref_loss / MICRO_BATCHES).backward()
+    torch.testing.assert_close(loss, ref_loss.detach() / MICRO_BATCHES, **TOLERANCE)
+    for param, ref_param in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref_param.grad, **TOLERANCE)
+    pipe.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -34,7 +35,7 @@ def checkpoint_stages(modules: list[nn.Module], recompute: bool | Callable[[nn.M
     for module in {id(module): module for module in picked}.values():
         own = module.__dict__.get("forward", _MISSING)
         originals.append((module, own))
-        module.forward = _checkpointed(None if own is _MISSING else own, module)
+        module.forward = _Checkpointed(None if own is _MISSING else own, module)
 
     def undo() -> None:
         for module, forward in originals:
@@ -71,34 +72,106 @@ def _outermost(modules: list[nn.Module], pick: Callable[[nn.Module], bool]) -> l
     return chosen
 
 
-def _checkpointed(own_forward: Callable | None, module: nn.Module) -> Callable:
+class _Checkpointed:
     """``module``'s forward (its own attribute, or None: its class's, looked up at each call, which a stage cut by
-    split changes with the model's training mode), recomputed in the backward."""
-    norms = [norm for norm in module.modules() if isinstance(norm, nn.modules.batchnorm._BatchNorm)]
-    in_norms = {id(buffer) for norm in norms for buffer in norm.buffers(recurse=False)}
-    # Frozen parameters too: an EMA target kept as nn.Parameters and updated by the forward (BYOL, MoCo, DINO).
-    others = [(name, buffer) for name, buffer in module.named_buffers() if id(buffer) not in in_norms] + [
-        (name, param) for name, param in module.named_parameters() if not param.requires_grad]
+    split changes with the model's training mode), recomputed in the backward. An object and not a closure: a deep copy
+    of the module (an EMA or teacher model made while the Pipeline holds it) gets one that runs the copy, and the
+    module pickles."""
 
-    def run(*args, **kwargs):
+    def __init__(self, own_forward: Callable | None, module: nn.Module):
+        self.own_forward = own_forward
+        self.module = module
+        self.norms = [norm for norm in module.modules() if isinstance(norm, nn.modules.batchnorm._BatchNorm)]
+        in_norms = {id(buffer) for norm in self.norms for buffer in norm.buffers(recurse=False)}
+        # Frozen parameters too: an EMA target kept as nn.Parameters and updated by the forward (BYOL, MoCo, DINO).
+        self.others = [(name, buffer) for name, buffer in module.named_buffers() if id(buffer) not in in_norms] + [
+            (name, param) for name, param in module.named_parameters() if not param.requires_grad]
+        self.slots: list[tuple[str, nn.Module, str]] | None = None  # the first call's tensor attributes (_Stashed)
+
+    def __call__(self, *args, **kwargs):
         # Every tensor goes in positionally, keyword ones included: checkpoint saves only its positional
         # arguments through autograd, where the pipeline sees what stays alive for the backward.
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        stashed = None
+        if not torch.compiler.is_compiling():
+            if self.slots is None:
+                self.slots = _tensor_slots(self.module)
+            stashed = _Stashed(self.module, self.slots) if self.slots else None
 
         def replay(*leaves):
+            if stashed:
+                stashed.seen()
             args, kwargs = pytree.tree_unflatten(list(leaves), spec)
-            if own_forward is None:
-                return type(module).forward(module, *args, **kwargs)
-            return own_forward(*args, **kwargs)
+            if self.own_forward is None:
+                return type(self.module).forward(self.module, *args, **kwargs)
+            return self.own_forward(*args, **kwargs)
 
+        norms, others = self.norms, self.others
         if (others or any(norm.training and norm.track_running_stats for norm in norms)) and \
                 not torch.compiler.is_compiling():
-            return checkpoint(replay, *leaves, use_reentrant=False,
-                              context_fn=lambda: (contextlib.nullcontext(), _recomputing(module, norms, others)))
-        # Without buffers to watch, plain: torch.compile cannot trace a checkpoint given a context_fn.
-        return checkpoint(replay, *leaves, use_reentrant=False)
+            output = checkpoint(replay, *leaves, use_reentrant=False, context_fn=lambda: (
+                contextlib.nullcontext(), _recomputing(self.module, norms, others)))
+        else:  # without buffers to watch, plain: torch.compile cannot trace a checkpoint given a context_fn
+            output = checkpoint(replay, *leaves, use_reentrant=False)
+        if stashed:
+            stashed.forward_done()
+        return output
 
-    return run
+
+class _Stashed:
+    """The plain tensor attributes of a checkpointed module and its submodules (not parameters or buffers), as one
+    micro-batch's forward read them: a parent that stashes a tensor on its child (``self.block.mask = mask``) before
+    calling it has set another micro-batch's there by the time this one's backward recomputes, wherever a schedule
+    runs forwards between a micro-batch's forward and its backward, and the recomputation would read it. Refused
+    when the recomputation begins, naming the attribute. Attributes the forward sets itself (an output kept for
+    logging) are not the forward's inputs and are left alone. Weak references: the check keeps nothing alive.
+
+    ``slots`` are the (path, submodule, name) where the first forward found tensors (``_tensor_slots``): looking only
+    there keeps the check to a few attribute reads per call."""
+
+    def __init__(self, module: nn.Module, slots: list[tuple[str, nn.Module, str]]):
+        self.module = module
+        self.slots = slots
+        self.at_start: list[tuple[weakref.ref, int] | None] | None = None
+        self.set_by_forward: list[bool] = []
+
+    def seen(self) -> None:
+        """Called as the forward begins, then as the recomputation begins."""
+        now = self._read()
+        if self.at_start is None:
+            self.at_start = now
+            return
+        for (path, _, name), before, after, own in zip(self.slots, self.at_start, now, self.set_by_forward):
+            if own or before is None or _same(before, after):
+                continue
+            raise RuntimeError(
+                f"recompute: the recomputed {type(self.module).__name__} reads its tensor attribute "
+                f"{'.'.join(filter(None, (path, name)))!r}, which was "
+                f"{'changed in place' if after is not None and before[0]() is after[0]() else 'replaced'} between "
+                "this micro-batch's forward and its recomputation (another micro-batch's forward set it, as a parent "
+                "stashing a tensor on its child does): the recomputation would compute with it. Pass the tensor as an "
+                "argument to the module, or leave the module out of recompute=")
+
+    def forward_done(self) -> None:
+        if self.at_start is not None:
+            self.set_by_forward = [not _same(before, after) if before else after is not None
+                                   for before, after in zip(self.at_start, self._read())]
+
+    def _read(self) -> list[tuple[weakref.ref, int] | None]:
+        values = [sub.__dict__.get(name) for _, sub, name in self.slots]
+        return [(weakref.ref(value), value._version) if isinstance(value, torch.Tensor) else None for value in values]
+
+
+def _tensor_slots(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(path, submodule, name) of each plain tensor attribute of ``module`` and its submodules."""
+    return [(path, sub, name) for path, sub in module.named_modules() for name, value in vars(sub).items()
+            if isinstance(value, torch.Tensor)]
+
+
+def _same(before: tuple[weakref.ref, int], after: tuple[weakref.ref, int] | None) -> bool:
+    """Whether an attribute holds the tensor it held before (a freed one's reference is dead), at its version then."""
+    value = before[0]()
+    return after is not None and value is not None and value is after[0]() and before[1] == after[1]
 
 
 @contextlib.contextmanager
