@@ -86,8 +86,9 @@ class EagerStage:
         return ("the stage runs torch.utils.checkpoint with use_reentrant=True, whose backward runs apart from the "
                 f"one that called it and so cannot hand back the gradients that {asks} asks autograd for; "
                 "checkpoint with use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
-                "gradient_checkpointing_kwargs={'use_reentrant': False})), use the Pipeline's recompute=, or a "
-                "schedule that does not split the backward (1f1b) without main_grad")
+                "gradient_checkpointing_kwargs={'use_reentrant': False})), turn the model's own checkpointing off "
+                "and let the Pipeline's recompute= do it, or use a schedule that does not split the backward (1f1b) "
+                "without main_grad")
 
     def record(self, micro_batch: int) -> MicroBatch:
         held = self.micro_batches.get(micro_batch)
