@@ -220,6 +220,44 @@ def test_dropout_in_recomputed_stages_replaying_cuda_graphs_draws_the_forward_ma
     run_ranks(2, dropout_masks_survive_recomputation, tmp_path, recompute, kind, 5, timeout=240)
 
 
+def graphs_draw_as_eager_does(rank: int, world_size: int, recompute) -> str:
+    """The same seeded steps with and without CUDA graphs, dropout in every stage, one and two stages per rank (a rank's
+    stages captured together): every gradient equal. (zb-v and zb-h2 rebuild their order from measured costs, which
+    may order a rank's draws otherwise from one run to the next.)"""
+    device = rank_device(rank, "cuda")
+    for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)):
+        runs = []
+        for cuda_graphs in (False, True):
+            torch.manual_seed(0)
+            stages = [nn.Sequential(DropoutBlock(), nn.Linear(HIDDEN, HIDDEN)) for _ in range(world_size * chunks)]
+            mine = held_stages(schedule, world_size, MICRO_BATCHES, chunks, rank)
+            modules = [stages[s].to(device) for s in mine]
+            pipe = pipecomm.Pipeline(modules, stage=mine, num_stages=len(stages), loss_fn=mse,
+                                     micro_batches=MICRO_BATCHES, schedule=schedule, timeout=30, recompute=recompute,
+                                     cuda_graphs=cuda_graphs)
+            grads = []
+            for step in range(STEPS):
+                x, target = (tensor.to(device) for tensor in batch(step))
+                torch.manual_seed(seed(step, rank))
+                pipe.step(x, target=target)
+                grads.append([param.grad.clone() for module in modules for param in module.parameters()])
+                for module in modules:
+                    module.zero_grad(set_to_none=True)
+            assert not cuda_graphs or set(pipe.cuda_graph_states.values()) == {"replaying"}, pipe.cuda_graph_states
+            pipe.close()
+            runs.append(grads)
+        for step, (eager, graphed) in enumerate(zip(*runs)):
+            for index, (one, other) in enumerate(zip(eager, graphed)):
+                torch.testing.assert_close(other, one, rtol=1e-6, atol=1e-7, msg=f"{schedule}, step {step}, #{index}")
+    return "ok"
+
+
+@needs_cuda
+@pytest.mark.parametrize("recompute", [False, True, dropout_blocks], ids=["none", "whole-stages", "selective"])
+def test_cuda_graphs_draw_the_random_numbers_eager_draws(tmp_path, recompute):
+    run_ranks(2, graphs_draw_as_eager_does, tmp_path, recompute, timeout=240)
+
+
 # -- what stays alive between forward and backward -----------------------------------------------
 
 
