@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from ports import free_port
 from ranks import run_ranks
 
 import pipecomm
@@ -622,3 +623,37 @@ def test_a_collective_done_as_its_wait_slice_ends_is_not_a_failure(monkeypatch, 
     else:
         collective.wait(5.0, None, 0)
     assert work.waits == 2
+
+
+SILENT_PEER_SCRIPT = """
+import time, torch, pipecomm
+from torch import nn
+ctx = pipecomm.init()
+pipe = pipecomm.Pipeline(nn.Linear(4, 4), stage=ctx.stage, num_stages=ctx.num_stages, micro_batches=2,
+                         loss_fn=nn.functional.mse_loss, timeout=2)
+pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
+if ctx.rank == 1:
+    time.sleep(600)  # stuck in the program's own code, alive: no failure to hear of
+pipe.clip_grad_norm_(1.0)  # rank 0: its all-reduce of the norm times out
+"""
+
+
+def test_a_rank_whose_collective_timed_out_on_a_silent_peer_exits():
+    """The wait gave up after the Pipeline's timeout and raised, but gloo's worker thread went on waiting for the
+    process group's timeout (300 s from pipecomm.init, 30 minutes by default), and the process hung at exit joining
+    it: the job never ended. gloo's own timeout now ends a few seconds after the wait's."""
+    port = str(free_port())
+    processes = [subprocess.Popen([sys.executable, "-c", SILENT_PEER_SCRIPT], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                                       "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(rank),
+                                       "LOCAL_RANK": str(rank)})
+                 for rank in range(2)]
+    try:
+        _, errors = processes[0].communicate(timeout=90)
+        assert processes[0].returncode != 0
+        assert "clip_grad_norm_'s all-reduce of the gradient norm: not done after 2 s" in errors, errors[-2000:]
+    finally:
+        for process in processes:
+            process.kill()
+            process.communicate()

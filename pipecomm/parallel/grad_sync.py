@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipecomm.runtime.gradient_sink import GradientSink
-from pipecomm.runtime.failure import Collective
+from pipecomm.runtime.failure import Collective, CollectiveWaiter
 
 __all__: list[str] = []
 
@@ -51,12 +51,12 @@ class SharedParameters:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
-    def synchronize_values(self, wait: Callable[[Collective], None]) -> None:
+    def synchronize_values(self, collectives: CollectiveWaiter) -> None:
         """Every holder starts from the value of the lowest stage that holds the parameter."""
         for param, holders, group in self.entries:
-            data = local_shard(param.data)
-            wait(Collective(lambda: dist.broadcast(data, src=holders[0], group=group, async_op=True),
-                            [data], group, f"the broadcast of a shared parameter among ranks {holders}"))
+            collectives.wait(Collective.broadcast(local_shard(param.data), holders[0], group,
+                                                  f"the broadcast of a shared parameter among ranks {holders}",
+                                                  collectives.timeout))
 
     def counted_by_another_rank(self) -> set[int]:
         """ids of the shared parameters whose gradient a lower holder counts in a pipeline-wide norm: after
@@ -64,16 +64,16 @@ class SharedParameters:
         rank = dist.get_rank()
         return {id(param) for param, holders, _ in self.entries if rank != holders[0]}
 
-    def reduce_grads(self, sink_for: Callable[[nn.Parameter], GradientSink], wait: Callable[[Collective], None]) -> None:
+    def reduce_grads(self, sink_for: Callable[[nn.Parameter], GradientSink], collectives: CollectiveWaiter) -> None:
         """Sums the gradients of the shared parameters that require grad (every holder freezes them alike)."""
         for param, holders, group in self.entries:
             if not param.requires_grad:
                 continue
             grad = local_shard(_grad_or_zeros(sink_for(param), param))
-            wait(Collective(lambda: dist.all_reduce(grad, group=group, async_op=True), [grad], group,
-                            f"the all-reduce of a shared parameter's gradient among ranks {holders} (a holder where "
-                            "it does not require grad skips it: freeze it alike on every rank that holds it, under "
-                            "each of its names there)"))
+            collectives.wait(Collective.all_reduce(
+                grad, group, f"the all-reduce of a shared parameter's gradient among ranks {holders} (a holder where it "
+                "does not require grad skips it: freeze it alike on every rank that holds it, under each of its names "
+                "there)", collectives.timeout))
 
 
 def _check_frozen_alike(every_rank: list[tuple[list[tuple], list[bool]]]) -> None:
@@ -119,9 +119,11 @@ class DataParallelGrads:
     beside the gradients, say where every one went without.
     """
 
-    def __init__(self, sinks: dict[int, GradientSink], group: dist.ProcessGroup, skip: set[int] = frozenset()):
+    def __init__(self, sinks: dict[int, GradientSink], group: dist.ProcessGroup, collectives: CollectiveWaiter,
+                 skip: set[int] = frozenset()):
         self.sinks = sinks
         self.group = group
+        self.collectives = collectives
         self.size = dist.get_world_size(group)
         params = {stage: [p for p in sink.params if id(p) not in skip] for stage, sink in sinks.items()}
         holders: dict[int, list[int]] = {}
@@ -140,7 +142,7 @@ class DataParallelGrads:
         for param in self._own[stage]:
             self._reduce(stage, param)
 
-    def finish(self, wait: Callable[[Collective], None]) -> None:
+    def finish(self) -> None:
         for stage, param in self._late:
             self._reduce(stage, param)
         in_flight, self._in_flight = self._in_flight, []
@@ -148,18 +150,18 @@ class DataParallelGrads:
         flags = [flag for _, _, flag in reduced]
         used = self._used_flags(flags, reduced[0][1].device) if reduced else None
         for collective, _ in in_flight:
-            wait(collective)
+            self.collectives.wait(collective)
         grads = [grad for _, grad in in_flight]
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.size)
         if used is not None:
-            wait(used)
+            self.collectives.wait(used)
         if not all(flags):  # only a replica that went without some gradient reads the flags back (a wait for the GPU)
             for (stage, param, _), anywhere in zip(reduced, used.tensors[0].tolist()):
                 if not anywhere and not self.sinks[stage].main_grad:
                     param.grad = None
 
-    def average(self, params: list[nn.Parameter], wait: Callable[[Collective], None]) -> None:
+    def average(self, params: list[nn.Parameter]) -> None:
         """Averages the gradients of ``params`` (loss_fn's, in its order, the same on every replica) over the
         replicas in one all-reduce, as each replica's loss saw its share of the batch; one that no replica used keeps
         none, as in one process."""
@@ -170,9 +172,10 @@ class DataParallelGrads:
         grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in params]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         used = self._used_flags(flags, flat.device)
-        wait(Collective(lambda: dist.all_reduce(flat, group=self.group, async_op=True), [flat], self.group,
-                        "the data-parallel all-reduce of the gradients of loss_fn's parameters"))
-        wait(used)
+        self.collectives.wait(Collective.all_reduce(
+            flat, self.group, "the data-parallel all-reduce of the gradients of loss_fn's parameters",
+            self.collectives.timeout))
+        self.collectives.wait(used)
         flat /= self.size
         anywhere = used.tensors[0].tolist() if not all(flags) else [True] * len(params)
         for param, part, grad, kept in zip(params, flat.split([grad.numel() for grad in grads]), grads, anywhere):
@@ -187,16 +190,16 @@ class DataParallelGrads:
             tensor = self._all_used
         else:
             tensor = torch.tensor(flags, dtype=torch.uint8).to(device)
-        return Collective(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
-                          [tensor], self.group, "the data-parallel all-reduce of which parameters got gradients")
+        return Collective.all_reduce(tensor, self.group, "the data-parallel all-reduce of which parameters got gradients",
+                                     self.collectives.timeout, dist.ReduceOp.MAX)
 
     def _reduce(self, stage: int, param: nn.Parameter) -> None:
         if not param.requires_grad:
             return  # frozen: no gradient, on every replica alike
         self._reduced.append((stage, param, self.sinks[stage].target(param) is not None))
         grad = local_shard(_grad_or_zeros(self.sinks[stage], param))
-        collective = Collective(lambda: dist.all_reduce(grad, group=self.group, async_op=True), [grad], self.group,
-                                f"the data-parallel all-reduce of stage {stage}'s gradients")
+        collective = Collective.all_reduce(grad, self.group, f"the data-parallel all-reduce of stage {stage}'s gradients",
+                                           self.collectives.timeout)
         self._in_flight.append((collective, grad))
 
 

@@ -33,14 +33,14 @@ class GradientFinalizer:
         self.sharded = sharded
         self.shared = shared
         self.collectives = collectives
-        self.data_parallel = (DataParallelGrads(sinks, data_group, skip=sharded.sharded_parameters())
+        self.data_parallel = (DataParallelGrads(sinks, data_group, collectives, skip=sharded.sharded_parameters())
                               if data_group is not None and dist.get_world_size(data_group) > 1 else None)
         if shared:
             sharded_ids = sharded.sharded_parameters()
             if any(id(param) in sharded_ids for param, _, _ in shared.entries):
                 raise ValueError("Pipeline: a parameter shared between stages (a tied embedding and head) is "
                                  "sharded by fully_shard; keep it out of fully_shard (shard the blocks)")
-            shared.synchronize_values(collectives.wait)
+            shared.synchronize_values(collectives)
         self._shared_in_place = SharedInPlace(modules)
 
     def start_step(self) -> None:
@@ -58,7 +58,7 @@ class GradientFinalizer:
         refused under data parallelism: no name pairs them across the replicas."""
         self._shared_in_place.check()
         if self.data_parallel:
-            self.data_parallel.finish(self.collectives.wait)
+            self.data_parallel.finish()
             known = {id(param) for param in self.loss_parameters}
             unnamed = [tensor for tensor in beside if id(tensor) not in known]
             if unnamed:
@@ -70,9 +70,9 @@ class GradientFinalizer:
                     "its parameters (they are averaged in its order), or register the tensor as a parameter of a "
                     "stage module")
             if self.loss_parameters:
-                self.data_parallel.average(self.loss_parameters, self.collectives.wait)
+                self.data_parallel.average(self.loss_parameters)
         if self.shared:
-            self.shared.reduce_grads(self._sink_of, self.collectives.wait)
+            self.shared.reduce_grads(self._sink_of, self.collectives)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, several_ranks: bool) -> torch.Tensor:
         """Clips every stage's gradients by the global norm across the whole pipeline; returns that norm."""

@@ -170,8 +170,7 @@ class PipelineCollectives:
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp, what: str) -> None:
         """In place, over the pipeline group."""
-        self.wait(Collective(lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), [tensor],
-                             self.group, f"pipeline rank {self.rank}: {what}"))
+        self.wait(Collective.all_reduce(tensor, self.group, f"pipeline rank {self.rank}: {what}", self.timeout, op))
 
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
         """From the last stage's rank to every rank of the pipeline."""
@@ -180,8 +179,7 @@ class PipelineCollectives:
         if self._tree is not None:
             self._tree.broadcast(tensor, described)
             return
-        self.wait(Collective(lambda: dist.broadcast(tensor, src=source, group=self.group, async_op=True), [tensor],
-                             self.group, described))
+        self.wait(Collective.broadcast(tensor, source, self.group, described, self.timeout))
 
     def wait(self, collective: Collective) -> None:
         """Waits for any collective of the Pipeline: at most its timeout, and not once another rank failed."""

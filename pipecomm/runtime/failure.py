@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -118,6 +119,28 @@ class Collective:
         self.baselines = [tensor._use_count() for tensor in self.tensors]
         self.work = start()
 
+    @classmethod
+    def all_reduce(cls, tensor: torch.Tensor, group, what: str, timeout: float,
+                   op: dist.ReduceOp = dist.ReduceOp.SUM) -> Collective:
+        """``tensor`` all-reduced in place over ``group`` (None: the default one), started (``_gloo_timeout``)."""
+        if tensor.is_cuda:
+            return cls(lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), [tensor], group, what)
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        options.timeout = _gloo_timeout(timeout)
+        return cls(lambda: _process_group(group).allreduce([tensor], options), [tensor], group, what)
+
+    @classmethod
+    def broadcast(cls, tensor: torch.Tensor, source: int, group, what: str, timeout: float) -> Collective:
+        """``tensor`` broadcast from global rank ``source`` over ``group``, started (``_gloo_timeout``)."""
+        if tensor.is_cuda:
+            return cls(lambda: dist.broadcast(tensor, src=source, group=group, async_op=True), [tensor], group, what)
+        options = dist.BroadcastOptions()
+        options.rootRank = dist.get_group_rank(_process_group(group), source)
+        options.rootTensor = 0
+        options.timeout = _gloo_timeout(timeout)
+        return cls(lambda: _process_group(group).broadcast([tensor], options), [tensor], group, what)
+
     def wait(self, timeout: float, notes: FailureNotes | None, global_rank: int) -> None:
         work, self.work = self.work, None
         if uses_nccl(self.group) and any(tensor.is_cuda for tensor in self.tensors):
@@ -151,6 +174,28 @@ class Collective:
         for tensor, baseline in zip(self.tensors, self.baselines):
             while tensor._use_count() > baseline and time.monotonic() < give_up:
                 time.sleep(0.0001)
+
+
+class CollectiveWaiter(Protocol):
+    """What waits for a Pipeline's collectives (``PipelineCollectives``): at most ``timeout`` seconds each."""
+
+    timeout: float
+
+    def wait(self, collective: Collective) -> None: ...
+
+
+_GLOO_SLACK_SECONDS = 5.0
+
+
+def _gloo_timeout(timeout: float) -> datetime.timedelta:
+    """A gloo collective's own timeout: a little after the wait's, which gives up first and says why. Without one, the
+    process group's (30 minutes by default) holds gloo's worker thread, and a process whose wait gave up on a silent
+    peer then hangs at exit for that long, joining it."""
+    return datetime.timedelta(seconds=timeout + _GLOO_SLACK_SECONDS)
+
+
+def _process_group(group) -> dist.ProcessGroup:
+    return group if group is not None else dist.distributed_c10d._get_default_group()
 
 
 def _peer_error(what: str, error: RuntimeError, notes: FailureNotes | None, global_rank: int) -> Exception:
