@@ -200,11 +200,8 @@ class GraphedStage:
         return self._returned_grads("W")
 
     def _launch(self, kind: str, micro_batch: int) -> None:
-        kept = self._random.before(kind, micro_batch)
-        try:
-            self._group.launch(self.stage, kind, micro_batch, self._graphs.get((kind, micro_batch)))
-        finally:
-            self._random.after(kept)
+        self._random.replayed(kind, micro_batch, self._group.launch, self.stage, kind, micro_batch,
+                              self._graphs.get((kind, micro_batch)))
 
     def _returned_grads(self, kind: str) -> list | None:
         if self.accumulators:
@@ -485,11 +482,7 @@ class GraphedStage:
                     backwards += 1
                     for landing, probe in zip(self._grad_outputs, probes):
                         torch.mul(probe, signs[micro_batch], out=landing)
-                kept = self._random.before(kind, micro_batch)
-                try:
-                    self._graphs[(kind, micro_batch)].replay()
-                finally:
-                    self._random.after(kept)
+                self._random.replayed(kind, micro_batch, self._graphs[(kind, micro_batch)].replay)
                 difference = self._replay_difference(kind, signs.get(micro_batch), reference) if round_ == 0 else None
                 if difference:
                     raise GraphCheckError(f"stage {self.stage}: the first replay of the {kind} pass of micro-batch "

@@ -135,11 +135,12 @@ class Collective:
         """``tensor`` broadcast from global rank ``source`` over ``group``, started (``_gloo_timeout``)."""
         if tensor.is_cuda:
             return cls(lambda: dist.broadcast(tensor, src=source, group=group, async_op=True), [tensor], group, what)
+        process_group = _process_group(group)
         options = dist.BroadcastOptions()
-        options.rootRank = dist.get_group_rank(_process_group(group), source)
+        options.rootRank = dist.get_group_rank(process_group, source)
         options.rootTensor = 0
         options.timeout = _gloo_timeout(timeout)
-        return cls(lambda: _process_group(group).broadcast([tensor], options), [tensor], group, what)
+        return cls(lambda: process_group.broadcast([tensor], options), [tensor], group, what)
 
     def wait(self, timeout: float, notes: FailureNotes | None, global_rank: int) -> None:
         work, self.work = self.work, None

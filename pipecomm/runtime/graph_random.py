@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -59,9 +60,18 @@ class ForwardRandomStates:
                              "graphs did not draw a recomputed dropout's masks again in a test of the replays "
                              "(pipecomm.runtime.graph_random); run it eagerly (cuda_graphs=False)")
 
-    def before(self, kind: str, micro_batch: int) -> torch.Tensor | None:
+    def replayed(self, kind: str, micro_batch: int, replay: Callable[..., None], *args) -> None:
+        """``replay(*args)``, the launch of the micro-batch's ``kind`` pass, from the generator state it needs."""
+        kept = self._before(kind, micro_batch)
+        try:
+            replay(*args)
+        finally:
+            if kept is not None:
+                torch.cuda.set_rng_state(kept, self._device)
+
+    def _before(self, kind: str, micro_batch: int) -> torch.Tensor | None:
         """Before replaying a pass: a forward's state is kept; a backward pass starts from its forward's, and the
-        state to put back after it (``after``) is returned. None where nothing needs putting back."""
+        state to put back after it is returned. None where nothing needs putting back."""
         if not self._forward_draws:
             return None
         state = torch.cuda.get_rng_state(self._device)
@@ -71,10 +81,6 @@ class ForwardRandomStates:
         forward = self._states[micro_batch] if kind == "I" else self._states.pop(micro_batch)
         torch.cuda.set_rng_state(forward, self._device)
         return state
-
-    def after(self, kept: torch.Tensor | None) -> None:
-        if kept is not None:
-            torch.cuda.set_rng_state(kept, self._device)
 
 
 def _capture_offset(device: torch.device) -> int:
@@ -106,13 +112,10 @@ def rewinds_redraw(device: torch.device) -> bool:
             (forwards if kind == "F" else backwards).append(graph)
         masks = []
         for index, graph in enumerate(forwards):
-            randoms.before("F", index)
-            graph.replay()
+            randoms.replayed("F", index, graph.replay)
             masks.append(outputs[index] != 0)
         for index, graph in enumerate(backwards):
-            state = randoms.before("B", index)
-            graph.replay()
-            randoms.after(state)
+            randoms.replayed("B", index, graph.replay)
         return all(bool(((grad != 0) == mask).all()) for grad, mask in zip(grads, masks))
     finally:
         torch.cuda.set_rng_state(kept, device)

@@ -92,8 +92,9 @@ class _Checkpointed:
         # Every tensor goes in positionally, keyword ones included: checkpoint saves only its positional
         # arguments through autograd, where the pipeline sees what stays alive for the backward.
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        compiling = torch.compiler.is_compiling()
         stashed = None
-        if not torch.compiler.is_compiling():
+        if not compiling:
             if self.slots is None:
                 self.slots = _tensor_slots(self.module)
             stashed = _Stashed(self.module, self.slots) if self.slots else None
@@ -107,8 +108,7 @@ class _Checkpointed:
             return self.own_forward(*args, **kwargs)
 
         norms, others = self.norms, self.others
-        if (others or any(norm.training and norm.track_running_stats for norm in norms)) and \
-                not torch.compiler.is_compiling():
+        if (others or any(norm.training and norm.track_running_stats for norm in norms)) and not compiling:
             output = checkpoint(replay, *leaves, use_reentrant=False, context_fn=lambda: (
                 contextlib.nullcontext(), _recomputing(self.module, norms, others)))
         else:  # without buffers to watch, plain: torch.compile cannot trace a checkpoint given a context_fn
