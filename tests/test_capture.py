@@ -28,6 +28,16 @@ def split_in_two_like_the_model(model: nn.Module) -> list:
     return stages
 
 
+def evaluated_like_the_model(model: nn.Module) -> tuple[list, torch.Tensor]:
+    """``model`` split in two, then put in eval mode: its stages run as the unsplit model does, bit for bit; returns
+    them and the input they ran on."""
+    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
+    x = torch.randn(3, 4)
+    model.eval()
+    torch.testing.assert_close(chain(stages, x), model(x), rtol=0, atol=0)
+    return stages, x
+
+
 def raises(message: str):
     return pytest.raises(ValueError, match=re.escape(message))
 
@@ -427,10 +437,7 @@ def test_flags_that_change_the_code_together_only_are_watched():
     # Each flag was judged alone and dropped (its flip alone changed nothing): after model.eval() the training code,
     # its dropout included, kept running, silently.
     model = EitherFlag()
-    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
-    x = torch.randn(3, 4)
-    model.eval()
-    torch.testing.assert_close(chain(stages, x), model(x), rtol=0, atol=0)
+    evaluated_like_the_model(model)
 
 
 class NoisyInTraining(TwoBlocks):
@@ -447,18 +454,12 @@ def test_a_module_output_crossing_in_one_mode_only_keeps_both_modes():
     # The comparison of the two captures' boundaries saw no value for a module's output: the eval mode was dropped and
     # model.eval() refused.
     model = NoisyInTraining()
-    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
-    x = torch.randn(3, 4)
-    model.eval()
-    torch.testing.assert_close(chain(stages, x), model(x), rtol=0, atol=0)
+    evaluated_like_the_model(model)
 
 
 def test_training_flags_that_pick_neither_capture_are_refused():
     model = DropsOutTwice()
-    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
-    x = torch.randn(3, 4)
-    model.eval()
-    torch.testing.assert_close(chain(stages, x), model(x), rtol=0, atol=0)
+    stages, x = evaluated_like_the_model(model)
     model.train()
     model.second.eval()  # one of the two: neither the training capture nor the eval one
     with raises("Linear (second).training: True at the capture, False now. It was captured in training and in eval "
@@ -527,10 +528,7 @@ class ReadsItsBlocks(nn.Module):
 
 def test_values_the_captured_forward_read_from_its_blocks_are_checked():
     model = ReadsItsBlocks()
-    stages = pipecomm.split(model, 2, [0, 1], example_inputs=(torch.randn(2, 4),))
-    x = torch.randn(3, 4)
-    model.eval()  # the block's flag picks the eval capture
-    torch.testing.assert_close(chain(stages, x), model(x), rtol=0, atol=0)
+    stages, x = evaluated_like_the_model(model)  # the block's flag picks the eval capture
     model.first.scale = 3.0
     with raises("Linear (first).scale: 1.0 at the capture, 3.0 now"):
         stages[0](x)
