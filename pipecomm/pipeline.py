@@ -297,6 +297,7 @@ class Pipeline:
         fail_fast.untrack(self)
         if self._prepared:
             self._prepared.restore()
+            self._executor.release_graphs()
         self._links.close()
 
     # -- internals -----------------------------------------------------------------------------

@@ -82,7 +82,7 @@ class _Writes(TorchDispatchMode):
                 tensor.copy_(value)
 
 
-def _capture_into(graph: StandInGraph, run, pool, stream, empty_ok: bool) -> None:
+def _capture_into(graph: StandInGraph, run, pool, stream, empty_ok: bool = False) -> None:
     """A capture records kernels and runs none: the run's writes into what existed before it are undone."""
     graph.run = run
     writes = _Writes(keep=True)
@@ -105,7 +105,7 @@ def stand_in_graphs(monkeypatch, inert: bool = False) -> None:
                         ("CUDAGraph", StandInGraph)]:
         monkeypatch.setattr(cuda, name, value)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None)
-    monkeypatch.setattr(cuda_graphs, "_capture_into", _capture_into)
+    monkeypatch.setattr(cuda_graphs, "capture_into", _capture_into)
     monkeypatch.setattr(cuda_graphs, "_release_random_state", lambda device, state: None)
     monkeypatch.setattr(graph_random, "_capture_offset", lambda device: 0)  # a CPU run draws from no CUDA generator
     monkeypatch.setattr(StandInGraph, "replays", 0)

@@ -55,8 +55,11 @@ def tokens(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
 
 
 def assert_same_grads(model, reference):
+    """Gradients equal to rounding: an absolute error up to 1e-6 of each gradient's largest entry (a token embedding's
+    sums, up to 53 in a Llama here, differ in the last bits between op orders on some CPUs: 7.6e-6 on an AMD EPYC)."""
     for (name, param), ref_param in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6, msg=name)
+        scale = max(1.0, ref_param.grad.abs().max().item()) if ref_param.grad is not None else 1.0
+        torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-5, atol=1e-6 * scale, msg=name)
 
 
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])

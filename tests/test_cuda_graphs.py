@@ -516,14 +516,14 @@ def test_expandable_segments_are_set_for_each_capture_and_set_back(monkeypatch):
     """On a CPU, the allocator's settings recorded: turned on around each capture of a CUDA device and off after it, a
     failed one too; left alone where the caller has them on (as torch 2.11's snapshot says, which has no getter for
     them, or the getter of later releases), and for a CPU stage."""
-    from pipecomm.runtime import cuda_graphs
+    from pipecomm.runtime import graph_capture
     calls = []
     settings = {"expandable_segments": False}
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": [], "allocator_settings": settings})
-    around = cuda_graphs._ExpandableSegments(torch.device("cuda", 0))
+    around = graph_capture.ExpandableSegments(torch.device("cuda", 0))
     for _ in range(2):
         with around:
             assert calls[-1] == "expandable_segments:True"
@@ -535,11 +535,11 @@ def test_expandable_segments_are_set_for_each_capture_and_set_back(monkeypatch):
     calls.clear()
     settings["expandable_segments"] = True
     for device in (torch.device("cuda", 0), torch.device("cpu")):
-        with cuda_graphs._ExpandableSegments(device):
+        with graph_capture.ExpandableSegments(device):
             pass
     monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "expandable_segments: True",
                         raising=False)
     settings["expandable_segments"] = False  # the getter, where there is one, is what counts
-    with cuda_graphs._ExpandableSegments(torch.device("cuda", 0)):
+    with graph_capture.ExpandableSegments(torch.device("cuda", 0)):
         pass
     assert calls == []

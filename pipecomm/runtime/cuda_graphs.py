@@ -9,8 +9,8 @@ and later passes reuse them. A rank's stages (zb-v's two) are captured together,
 runs them, into one pool (``GraphedStage.capture``; ``rank_graphs`` gathers them): the pool then holds the rank's
 peak, not each stage's own added up. That is also why the order is enforced (``graph_order.GraphGroup``): a replay
 out of it would write over memory that a later pass reads. Skipping passes (a micro-batch run eagerly) is safe: a
-skipped pass writes nothing. The pool is allocated in expandable segments (``_ExpandableSegments``): one stretch of
-addresses, where the frees of eager's order leave less of it unusable than in segments sized one by one.
+skipped pass writes nothing. How one pass is captured (the pool in expandable segments, one capture stream per thread,
+Python's collector paused) is ``graph_capture``'s.
 
 Tensors cross a graph's edge through one set of landing buffers per stage (inputs, targets, outputs, output gradients,
 input gradients), copied into before a replay and out of after it; inside the graph a micro-batch's inputs are copied
@@ -29,8 +29,6 @@ off).
 from __future__ import annotations
 
 import contextlib
-import threading
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +40,7 @@ from pipecomm.runtime import boundary
 from pipecomm.runtime.capture_state import CaptureState
 from pipecomm.runtime.checks import gradient_hook
 from pipecomm.runtime.gradient_sink import GradientSink
+from pipecomm.runtime.graph_capture import ExpandableSegments, capture_into, capture_stream, forget_capture_stream
 from pipecomm.runtime.graph_check import GraphCheckError, detached, largest_difference, largest_entry, off_zero, signed
 from pipecomm.runtime.graph_gradients import GradientAccumulators
 from pipecomm.runtime.graph_order import GraphGroup
@@ -54,7 +53,6 @@ __all__: list[str] = []
 
 _WARMUP_ITERATIONS = 2  # eager runs on a side stream before capture, so lazy initialisation stays out of the graphs
 _STATE_OF = {"F": 0, "B": 1, "I": 1, "W": 2}  # which of a reference run's random states a pass began at
-_capture_streams = threading.local()  # ``_capture_stream``'s, by device, for each thread
 
 
 @dataclass
@@ -269,7 +267,7 @@ class GraphedStage:
                         capturing.enter_context(member.accumulators.capturing(member.params))
                 try:
                     # Warmed up on the stream the captures use, cuBLAS's workspace for it stays out of the pool.
-                    side = _capture_stream(device)
+                    side = capture_stream(device)
                     references, shared = {}, _shared(members)
                     for member in members:
                         references[member.stage] = member._warm_up(autocast, device, side, shared)
@@ -294,7 +292,7 @@ class GraphedStage:
                 member._graphs, member.accumulated = {}, []
             torch.cuda.set_stream(stream)  # a failed capture leaves its own stream current
             # Its capture stream is not used again: whatever broke the capture may have left it in a state of its own.
-            _thread_capture_streams().pop(device, None)
+            forget_capture_stream(device)
             _release_random_state(device, random_state)
             raise
         finally:
@@ -398,7 +396,7 @@ class GraphedStage:
                         stream: torch.cuda.Stream, device: torch.device) -> None:
         """Each pass of ``order`` captured in turn into one pool; what a pass leaves for a later one of its stage stays
         alive in ``held`` until that one's capture, and no longer, as eager would hold it."""
-        pool, segments = torch.cuda.graph_pool_handle(), _ExpandableSegments(device)
+        pool, segments = torch.cuda.graph_pool_handle(), ExpandableSegments(device)
         by_stage = {member.stage: member for member in members}
         held: dict[int, dict[int, _Captured]] = {member.stage: {} for member in members}
         with autocast:
@@ -406,7 +404,7 @@ class GraphedStage:
                 member, kept = by_stage[stage], held[stage]
                 graph = torch.cuda.CUDAGraph()
                 with segments:
-                    _capture_into(graph, member._pass(kind, micro_batch, kept), pool, stream, empty_ok=kind == "W")
+                    capture_into(graph, member._pass(kind, micro_batch, kept), pool, stream, empty_ok=kind == "W")
                 member._graphs[(kind, micro_batch)] = graph
                 if kind == "F":
                     # Sent on through the landing buffers: their memory goes back to the pool, as eager frees it.
@@ -574,69 +572,6 @@ class GraphedStage:
         produced = iter(grads)
         input_grads = [next(produced) if t.requires_grad else None for t in inputs]
         return input_grads, [next(produced) if p.requires_grad else None for p in self.params]
-
-
-def _capture_into(graph: torch.cuda.CUDAGraph, run: Callable[[], None], pool, stream: torch.cuda.Stream,
-                  empty_ok: bool) -> None:
-    """``run``'s kernels captured into ``graph``, its memory from ``pool``. With ``empty_ok``, without torch's warning
-    that the graph is empty (which blames a wrong device or stream): a W pass of a stage that deferred nothing, its
-    Linears inside compiled regions, is empty, and the Pipeline has said why once already."""
-    with warnings.catch_warnings():
-        if empty_ok:
-            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            run()
-
-
-class _ExpandableSegments:
-    """Entered around each capture: the caching allocator's expandable segments on while it allocates the graphs'
-    pool, and off again after it, unless the caller had them on. The pool then grows as one stretch of addresses,
-    where segments sized for the first allocation that needed each left 4-10% of it unusable (one H200, two ranks: a
-    graphed 1f1b's peak over an eager one's, 1.090x -> 1.046x on e2e's compute config). Around each capture, not all
-    of them: between two, a sent output's data is freed, which allocates in the default pool, and a segment made
-    there could later hold a buffer the IPC channel shares with the peer, which expandable segments forbid (no tensor
-    of the pool is shared). The setting is the process's: another thread allocating during a capture gets expandable
-    segments too."""
-
-    def __init__(self, device: torch.device):
-        self._settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-        self._switch = (device.type == "cuda" and self._settings is not None
-                        and torch.cuda.get_allocator_backend() == "native" and not _expandable_in_use())
-
-    def __enter__(self) -> None:
-        if self._switch:
-            self._settings("expandable_segments:True")
-
-    def __exit__(self, *exception) -> None:
-        if self._switch:
-            self._settings("expandable_segments:False")
-
-
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream this thread warms up and captures on for ``device``, the same for every capture: cuBLAS gives each
-    stream it runs on a workspace from the caching allocator (32 MiB on Hopper) and keeps it for the process, so a new
-    stream per capture (torch's pool hands out 32 in turn) kept one more each time a Pipeline recaptured or another
-    Pipeline captured. One per thread, since a stream takes one capture at a time."""
-    streams = _thread_capture_streams()
-    if device not in streams:
-        streams[device] = torch.cuda.Stream(device)
-    return streams[device]
-
-
-def _thread_capture_streams() -> dict[torch.device, torch.cuda.Stream]:
-    if not hasattr(_capture_streams, "by_device"):
-        _capture_streams.by_device = {}
-    return _capture_streams.by_device
-
-
-def _expandable_in_use() -> bool:
-    """Whether the caller has the allocator's expandable segments on, as the allocator's settings say (torch 2.11 has
-    no getter for them, but its snapshot carries them: the segments alone cannot tell, since a caller that turned them
-    on may have allocated nothing new since)."""
-    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    if getter is not None:
-        return "expandable_segments:true" in getter().replace(" ", "").lower()
-    return bool(torch.cuda.memory._snapshot().get("allocator_settings", {}).get("expandable_segments"))
 
 
 def _shared(members: Sequence[GraphedStage]) -> set[int]:

@@ -89,6 +89,13 @@ class StageExecutor:
             if isinstance(runner, GraphRunner):
                 runner.held = held
 
+    def release_graphs(self) -> None:
+        """Every graphed stage's graphs and their memory let go now (the Pipeline closes), not when a collection finds
+        them: until then their pools hold memory that nothing else can use."""
+        for runner in self.stages.values():
+            if isinstance(runner, GraphRunner):
+                runner.drop_graphs()
+
     def graph_states(self) -> dict[int, str]:
         """Each stage's CUDA graphs: ``GraphRunner.state``, or "eager" where the stage never captures."""
         return {stage: runner.state if isinstance(runner, GraphRunner) else "eager"

@@ -8,6 +8,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from pipecomm.runtime.graph_capture import capture_into
+
 __all__: list[str] = []
 
 
@@ -102,13 +104,8 @@ def rewinds_redraw(device: torch.device) -> bool:
     try:
         for kind, index in (("F", 0), ("F", 1), ("B", 0), ("B", 1)):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                if kind == "F":
-                    outputs.append(checkpoint(lambda x: torch.nn.functional.dropout(x * 1.0, 0.5), inputs[index],
-                                              use_reentrant=False))
-                else:
-                    grads.append(torch.autograd.grad(outputs[index], inputs[index], torch.ones_like(inputs[index]))[0])
-                randoms.note_capture(kind, index)
+            capture_into(graph, functools.partial(_test_pass, kind, index, inputs, outputs, grads, randoms), pool,
+                         stream)
             (forwards if kind == "F" else backwards).append(graph)
         masks = []
         for index, graph in enumerate(forwards):
@@ -119,3 +116,13 @@ def rewinds_redraw(device: torch.device) -> bool:
         return all(bool(((grad != 0) == mask).all()) for grad, mask in zip(grads, masks))
     finally:
         torch.cuda.set_rng_state(kept, device)
+
+
+def _test_pass(kind: str, index: int, inputs: list, outputs: list, grads: list, randoms: ForwardRandomStates) -> None:
+    """One pass of ``rewinds_redraw``'s test, to capture: a checkpointed dropout's forward, or its backward."""
+    if kind == "F":
+        outputs.append(checkpoint(lambda x: torch.nn.functional.dropout(x * 1.0, 0.5), inputs[index],
+                                  use_reentrant=False))
+    else:
+        grads.append(torch.autograd.grad(outputs[index], inputs[index], torch.ones_like(inputs[index]))[0])
+    randoms.note_capture(kind, index)

@@ -17,6 +17,7 @@ one-line warning saying why.
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 from collections.abc import Callable
@@ -172,7 +173,7 @@ class GraphRunner(EagerStage):
             self.passes = stage_passes(schedule, self.rank, self.index)
             self.graphed = self._graphs(self.rank_graphs.leave(self.graphed))
             return
-        self._drop()
+        self.drop_graphs()
         try:
             self.passes = stage_passes(schedule, self.rank, self.index)
         except ValueError as error:
@@ -194,7 +195,7 @@ class GraphRunner(EagerStage):
                 raise ValueError(f"cuda_graphs: {change}, which their replays would not see; build a new Pipeline, "
                                  'or leave cuda_graphs="auto", which captures again')
             if change:
-                self._drop()
+                self.drop_graphs()
             else:
                 self.accumulators.bind(graphed.accumulated)  # where zero_grad() or the caller left .grad
 
@@ -217,7 +218,7 @@ class GraphRunner(EagerStage):
                     self._eager_ms = measured[0] if measured else None
                     reason = self._not_worth_capturing(measured, timer.largest_growth)
                     if reason:
-                        self._drop()
+                        self.drop_graphs()
                         self.off = reason
                     else:
                         self.graphed = self._graphs(self._sample)
@@ -227,14 +228,14 @@ class GraphRunner(EagerStage):
                 measured = timer.per_pass_ms() if self._replayed else None
                 replayed = measured[0] if measured else None
                 if replayed is not None and self._eager_ms and replayed > _KEEP_BELOW * self._eager_ms:
-                    self._drop()
+                    self.drop_graphs()
                     self.off = (f"replaying its CUDA graphs took the GPU {replayed:.3g} ms a pass against "
                                 f"{self._eager_ms:.3g} ms eager: the GPU, not the host, bounds it")  # nothing failed
                     return
             self._trial = not self._captured_at_start  # captured in this step (maybe at another stage's forward)
             self._steps_unfit = 0 if self._replayed else self._steps_unfit + 1
             if self._steps_unfit == 2:
-                self._drop()
+                self.drop_graphs()
 
     def _not_worth_capturing(self, measured: tuple[float, float] | None, forward_growth: int) -> str | None:
         """Why a watched stage stays eager (nothing failed), or None: the GPU bounds it, a parameter has a gradient
@@ -256,7 +257,7 @@ class GraphRunner(EagerStage):
                     f"and the device has {left / 1e9:.3g} GB left")
         return None
 
-    def _drop(self) -> None:
+    def drop_graphs(self) -> None:
         """The graphs and their memory let go; the watch starts again."""
         attempted = self.graphed is not None
         if attempted:
@@ -264,13 +265,16 @@ class GraphRunner(EagerStage):
         self.graphed = None
         if attempted:
             self.accumulators.release(self.index)
+            # What held the graphs may sit in reference cycles: collected now, their pool's memory comes back at once,
+            # and they are not destroyed inside a later capture (graph_capture.capture_into).
+            gc.collect()
             torch.cuda.empty_cache()  # a dropped graph's private pool stays cached, out of other allocations' reach
         self._steps_unfit = 0
         self._watch, self._timer, self._trial = ShapeWatch(), PassTimer(), False
         self._outputs_loan, self._input_grads_loan = _loans()  # the next graphs' buffers are new
 
     def _give_up(self, reason: str) -> None:
-        self._drop()
+        self.drop_graphs()
         self.off = reason
         warnings.warn(f"pipecomm: pipeline rank {self.rank}, stage {self.index} runs eagerly from now on: {reason}",
                       stacklevel=2)
