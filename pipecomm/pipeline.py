@@ -168,6 +168,7 @@ class Pipeline:
                                 self.calls.peer_failures)
             self._collectives = PipelineCollectives(group, self.rank, starting.stage_rank(num_stages - 1),
                                                     self.device, self.calls, timeout, self._links.channels, starting)
+            self._collectives.check_built_alike(starting)
             self._tuning = StepTuning(self._prepared, self._collectives, self.num_ranks, micro_batches, self.device,
                                       modules, auto=auto, refit=refit, offload=offload, device_timing=device_timing)
             shared = (SharedParameters(self.modules, lambda s: global_rank(group, starting.stage_rank(s)))

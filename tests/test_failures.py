@@ -103,9 +103,13 @@ def wrong_target_batch(rank, world_size, clock):
 
 
 def micro_batches_differ(rank, world_size, clock):
-    pipe = make_pipe(rank, world_size, micro_batches=2 if rank == 1 else 4)
-    x, y = data()
-    return pipe, lambda: (note_fault(clock) if rank == 0 else None, pipe.step(x, target=y))
+    """Rank 1 builds its Pipeline for 2 micro-batches, rank 0 for 4: both raise while building it."""
+    def build():
+        if rank == 1:
+            note_fault(clock)
+        make_pipe(rank, world_size, micro_batches=2 if rank == 1 else 4)
+
+    return None, build
 
 
 def construction_fails(rank, world_size, clock):
@@ -303,7 +307,7 @@ CASES = {
     "target of the wrong batch size": (wrong_target_batch, 3, (), "ValueError", "target has batch size 4 but the inputs have 8"),
     "a peer's Pipeline cannot be built": (construction_fails, 2, (), "ValueError", "unknown schedule 'pipedream'"),
     "micro_batches differ between ranks": (micro_batches_differ, 2, (), "ValueError",
-                                           "into 4 micro-batches but the Pipeline on rank 1 has micro_batches=2"),
+                                           "every rank must pass the same schedule, num_stages and micro_batches"),
     "loss raises (peer waits on shm)": (loss_fails, 2, (), "ArithmeticError", "the loss of micro-batch 2 failed"),
     "loss raises (peer waits on dist)": (loss_fails_over_dist, 2, (), "ArithmeticError", "the loss of micro-batch 2 failed"),
     "peer in the loss broadcast": (fails_after_the_last_message, 2, (), "RuntimeError", "failed after the last message"),

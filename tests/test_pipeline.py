@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import time
 import warnings
 
 import pytest
@@ -276,6 +277,35 @@ def bad_configuration(rank: int, world_size: int) -> str:
 
 def test_misconfiguration_fails_before_any_communication(tmp_path):
     run_ranks(2, bad_configuration, tmp_path)
+
+
+def built_differently(rank: int, world_size: int) -> list[str]:
+    """Ranks that pass different schedules or micro-batch counts: each raises at once, saying what differs."""
+    stage = build_stages(2)[rank]
+    raised = []
+    for mine in ({"schedule": ("1f1b", "gpipe")[rank]}, {"micro_batches": (4, 8)[rank]}, {}):
+        options = {"schedule": "1f1b", "micro_batches": 4, **mine}
+        if not mine:  # built alike, after two that were not: it trains
+            pipe = pipecomm.Pipeline(stage, stage=rank, num_stages=2, loss_fn=loss_fn, timeout=60, **options)
+            x, mask, target = batch(0)
+            assert torch.isfinite(pipe.step(x, mask, target=target) if rank == 0 else pipe.step(target=target))
+            pipe.close()
+            continue
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="every rank must pass the same schedule, num_stages and micro_batches"
+                           ) as error:
+            pipecomm.Pipeline(stage, stage=rank, num_stages=2, loss_fn=loss_fn, timeout=60, **options)
+        assert time.monotonic() - started < 30, "it waited for the timeout"
+        raised.append(str(error.value))
+    return raised
+
+
+def test_ranks_built_for_different_schedules_fail_at_once_saying_what_differs(tmp_path):
+    first, last = run_ranks(2, built_differently, tmp_path, timeout=120)
+    assert "'1f1b'" in first[0] and "but the last stage's rank (pipeline rank 1) for schedule 'gpipe'" in first[0]
+    assert "4 micro-batches" in first[1] and "for schedule '1f1b' (2 stages on 2 ranks, placement [0, 1], 8 micro" \
+        in first[1]
+    assert all("another rank for something else" in message for message in last)
 
 
 def variants(rank: int, world_size: int) -> str:
