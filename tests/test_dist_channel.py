@@ -319,11 +319,13 @@ def dist_pipeline_trains_exactly(rank: int, world_size: int, changing: bool, kin
         batches.append((torch.randn(rows, hidden, generator=generator).to(device),
                         torch.randn(rows, hidden, generator=generator).to(device)))
     losses, grads = [], []
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
     try:
-        for x, target in batches:
+        for step, (x, target) in enumerate(batches):
+            if cuda and step == 1:
+                # From the second step on: at the first, the ranks before the last read the loss's dtype off the
+                # broadcast, once (collectives.broadcast_loss).
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
             losses.append(pipe.step(x, target=target))
             grads.append([param.grad.clone() for param in stage.parameters()])
             stage.zero_grad()
