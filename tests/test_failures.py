@@ -270,7 +270,8 @@ def peer_killed_over_dist(rank, world_size, clock):
 
 
 def store_host_killed(rank, world_size, clock):
-    """Rank 0's process hosts the TCPStore and dies: rank 1 can publish nothing, and its own error stands."""
+    """Rank 0's process hosts the TCPStore and dies: rank 1 can publish nothing, and its own error stands; a rank
+    further on (3 ranks) hears of it from rank 1's abort, a PeerFailedError, where it raised a ProtocolError."""
     pipe = make_pipe(rank, world_size)
     if rank == 0:
         stage = pipe.modules[0]
@@ -324,6 +325,7 @@ CASES = {
     "peer SIGKILLed (shm)": (peer_killed, 2, (1,), None, "died"),
     "peer SIGKILLed (dist)": (peer_killed_over_dist, 2, (1,), None, "died"),
     "store host SIGKILLed": (store_host_killed, 2, (0,), None, "died"),
+    "store host SIGKILLed, 3 ranks": (store_host_killed, 3, (0,), None, "died"),
 }
 
 
@@ -332,7 +334,7 @@ def run_case(name: str, tmp_path: Path) -> list:
     scenario, world_size, dead, _, _ = CASES[name]
     clock = str(tmp_path / f"fault-{os.getpid()}-{abs(hash(name))}")
     outcomes = run_ranks(world_size, fault_run, tmp_path, scenario, clock, timeout=3 * TIMEOUT,
-                         may_exit=frozenset(dead), tcp_store=name == "store host SIGKILLed")
+                         may_exit=frozenset(dead), tcp_store=name.startswith("store host SIGKILLed"))
     faulted = min(float(line) for line in Path(clock).read_text().split()) if Path(clock).exists() else None
     rows = []
     for rank, outcome in enumerate(outcomes):

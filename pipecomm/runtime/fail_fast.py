@@ -81,6 +81,9 @@ class CallProtocol:
         if reasons and not isinstance(error, PeerFailedError):
             # A channel's error may already hold the reason (a peer's abort carries it): said once.
             explained = PeerFailedError(str(error) if reasons in str(error) else f"{error} ({reasons})")
+        elif isinstance(error, ChannelError) and _PEER_ABORTED in str(error):
+            # No note to read (the store's host died, taking the notes with it), but the peer's abort says why.
+            explained = PeerFailedError(str(error))
         own = (f"rank {self.global_rank} (pipeline rank {self.pipeline_rank}, stages {self.stages}) failed in "
                f"{action}: {describe(error)}")
         if not reasons:
@@ -113,6 +116,10 @@ class CallProtocol:
                                f"closed it ({self.failed}); build a new Pipeline")
         if self.closed:
             raise RuntimeError(f"Pipeline rank {self.pipeline_rank}: cannot {action}: it was closed")
+
+
+# What the shared-memory and IPC channels add to the error of a peer that aborted with a reason (shm_ring.cpp).
+_PEER_ABORTED = " (it aborted: "
 
 
 def _shortened(text: str, limit: int = 240) -> str:
