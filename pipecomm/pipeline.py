@@ -171,7 +171,9 @@ class Pipeline:
             self._collectives.check_built_alike(starting)
             self._tuning = StepTuning(self._prepared, self._collectives, self.num_ranks, micro_batches, self.device,
                                       modules, auto=auto, refit=refit, offload=offload, device_timing=device_timing)
-            shared = (SharedParameters(self.modules, lambda s: global_rank(group, starting.stage_rank(s)))
+            shared = (SharedParameters(self.modules, lambda s: global_rank(group, starting.stage_rank(s)),
+                                       lambda value: self.calls.gather(value, "the shared parameters' holders",
+                                                                       timeout))
                       if dist.is_initialized() else None)
             self._gradients = GradientFinalizer(self.modules, self._prepared.sinks, sharded, data_group, shared,
                                                 self._collectives, self._loss_parameters(loss_fn))

@@ -273,6 +273,9 @@ def store_host_killed(rank, world_size, clock):
     """Rank 0's process hosts the TCPStore and dies: rank 1 can publish nothing, and its own error stands; a rank
     further on (3 ranks) hears of it from rank 1's abort, a PeerFailedError, where it raised a ProtocolError."""
     pipe = make_pipe(rank, world_size)
+    # Every rank's Pipeline built before the store's host dies in its step (a rank still building meets the store
+    # gone: a PeerDiedError there, which this scenario does not measure).
+    torch.distributed.barrier()
     if rank == 0:
         stage = pipe.modules[0]
         stage.forward = failing_at(2, clock, signal.SIGKILL, stage.forward)
@@ -359,6 +362,41 @@ def test_every_rank_raises_within_seconds_naming_the_cause(tmp_path, name):
         assert cause in text, f"rank {rank}: {error_type}: {text}"
         assert error_type in (failing_type, "PeerFailedError", "PeerDiedError"), f"rank {rank}: {error_type}: {text}"
         assert refused, f"rank {rank}'s Pipeline did not refuse the next call"
+
+
+def fails_late_in_building(rank: int, world_size: int, flag: str) -> tuple:
+    """Rank 1 fails after its channels are open, before the gather of the shared parameters' holders, and stays
+    alive: (the error rank 0 raised and its seconds, or rank 1's text)."""
+    import pipecomm.pipeline as pipeline_module
+    tuning = pipeline_module.StepTuning
+    if rank == 1:
+        def failing(*args, **kwargs):
+            raise RuntimeError("rank 1's step tuning failed")
+        pipeline_module.StepTuning = failing
+    started = time.monotonic()
+    try:
+        make_pipe(rank, world_size)
+    except Exception as error:  # noqa: BLE001 - what each rank raised is the result
+        if rank == 1:
+            pipeline_module.StepTuning = tuning
+            deadline = time.monotonic() + 30
+            while not Path(flag).exists() and time.monotonic() < deadline:  # alive until rank 0 has raised
+                time.sleep(0.05)
+            return str(error)
+        Path(flag).touch()
+        return type(error).__name__, str(error), time.monotonic() - started
+    Path(flag).touch()
+    return None
+
+
+def test_a_peer_that_fails_late_in_building_its_pipeline_ends_the_others_at_once(tmp_path):
+    """The holders of shared parameters were gathered with dist.all_gather_object, which waited for a rank that had
+    raised (for gloo's 30 minutes, or until its process exited): now through the store, ended by its failure note."""
+    (error_type, text, seconds), own = run_ranks(2, fails_late_in_building, tmp_path, str(tmp_path / "raised"),
+                                                 timeout=60)
+    assert "rank 1's step tuning failed" in own
+    assert error_type == "PeerFailedError" and "rank 1's step tuning failed" in text, (error_type, text)
+    assert "the shared parameters' holders" in text and seconds < BOUND_SECONDS, (text, seconds)
 
 
 def test_a_peer_hears_which_action_of_which_micro_batch_failed(tmp_path):

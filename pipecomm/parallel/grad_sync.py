@@ -24,7 +24,9 @@ class SharedParameters:
     ``dist.new_group`` requires, so the holders of each shared parameter can reduce among themselves.
     """
 
-    def __init__(self, modules: dict[int, nn.Module], global_rank_of_stage: Callable[[int], int]):
+    def __init__(self, modules: dict[int, nn.Module], global_rank_of_stage: Callable[[int], int],
+                 gather: Callable[[object], list]):
+        """``gather(value)``: every rank's ``value`` in rank order (``failure.gather_through_store``)."""
         local: dict[int, tuple[tuple[int, ...], str, nn.Parameter]] = {}
         for module in modules.values():
             parameters = dict(module.named_parameters(remove_duplicate=False))
@@ -39,8 +41,7 @@ class SharedParameters:
         # would take the other's value and gradient, silently.
         ordered = sorted((entry for entry in local.values() if len(entry[0]) > 1), key=lambda entry: entry[:2])
         described = [(holders, key, tuple(param.shape), str(param.dtype)) for holders, key, param in ordered]
-        every_rank: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every_rank, (described, [param.requires_grad for _, _, param in ordered]))
+        every_rank = gather((described, [param.requires_grad for _, _, param in ordered]))
         _check_holders_agree([entries for entries, _ in every_rank])
         _check_frozen_alike(every_rank)
         every_rank = [entries for entries, _ in every_rank]

@@ -14,7 +14,8 @@ from typing import Protocol
 import torch.distributed as dist
 
 from pipecomm.runtime import interrupts
-from pipecomm.runtime.failure import Collective, FailureNotes, PeerFailedError, describe, next_pipeline_notes
+from pipecomm.runtime.failure import (Collective, FailureNotes, PeerFailedError, describe, gather_through_store,
+                                      next_pipeline_notes)
 from pipecomm.transport.channel import ChannelError
 
 __all__: list[str] = []
@@ -105,6 +106,10 @@ class CallProtocol:
     def peer_failures(self) -> str:
         """What other ranks published, for a wait that wants to stop once one has failed."""
         return self.notes.reasons(self.global_rank)
+
+    def gather(self, value: object, what: str, timeout: float) -> list:
+        """Every rank's picklable ``value``, in rank order: at most ``timeout``, and not once another rank failed."""
+        return gather_through_store(self.notes, self.global_rank, value, what, timeout)
 
     def wait(self, collective: Collective, timeout: float) -> None:
         """Waits for one of the Pipeline's collectives: at most ``timeout``, and not once another rank failed."""

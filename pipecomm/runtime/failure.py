@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import pickle
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -48,6 +49,7 @@ class FailureNotes:
         self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
         self.ranks = tuple(ranks) if ranks is not None else tuple(range(dist.get_world_size()
                                                                          if dist.is_initialized() else 1))
+        self.gathers = 0  # ``gather_through_store``'s calls so far, which number its keys
 
     def publish(self, global_rank: int, text: str) -> bool:
         """Records this rank's failure; False where the store cannot be reached."""
@@ -197,6 +199,34 @@ def _gloo_timeout(timeout: float) -> datetime.timedelta:
 
 def _process_group(group) -> dist.ProcessGroup:
     return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+def gather_through_store(notes: FailureNotes, global_rank: int, value: object, what: str, timeout: float) -> list:
+    """Every rank's picklable ``value``, in rank order, through the store the notes live in: a wait that another
+    rank's failure note ends at once and ``timeout`` bounds, where ``dist.all_gather_object`` waited, for the process
+    group's timeout (30 minutes over gloo), on a rank that had raised while building its Pipeline. The keys are the
+    notes' own (the n-th Pipeline's on every rank), numbered by call."""
+    store, world = notes.store, dist.get_world_size()
+    keys = [f"{notes.prefix}/gathered/{notes.gathers}/{rank}" for rank in range(world)]
+    notes.gathers += 1
+    deadline = time.monotonic() + timeout
+    try:
+        store.set(keys[global_rank], pickle.dumps(value))
+        pause = 0.001
+        # Polled with check, not waited for in slices: a TCPStore logs two warnings at each wait that times out.
+        while not store.check(keys):
+            reasons = notes.reasons(global_rank)
+            if reasons:
+                raise PeerFailedError(f"rank {global_rank}: {what}: {reasons}")
+            if time.monotonic() >= deadline:
+                missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+                raise TimeoutError(f"rank {global_rank}: {what}: ranks {missing} gave theirs not within {timeout:g} s")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_SECONDS)
+        return [pickle.loads(store.get(key)) for key in keys]
+    except dist.DistNetworkError as error:
+        raise PeerDiedError(f"rank {global_rank}: {what}: the process hosting torch.distributed's store died "
+                            f"({' '.join(str(error).split())[:200]})") from None
 
 
 def _peer_error(what: str, error: RuntimeError, notes: FailureNotes | None, global_rank: int) -> Exception:
