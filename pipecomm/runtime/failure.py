@@ -70,13 +70,14 @@ class FailureNotes:
         except Exception:  # noqa: BLE001 - an unreachable store tells nothing; the wait's own bounds hold
             return False
 
-    def reasons(self, global_rank: int) -> str:
-        """What the other ranks published, e.g. 'rank 1 failed in step: ValueError: ...'; empty if none did."""
+    def reasons(self, global_rank: int, among: Sequence[int] | None = None) -> str:
+        """What the other ranks (of ``among`` only, if given) published, e.g. 'rank 1 failed in step: ValueError:
+        ...'; empty if none did."""
         if not self.any():
             return ""
         found = []
         try:
-            for rank in self.ranks:
+            for rank in self.ranks if among is None else among:
                 key = f"{self.prefix}/failed/{rank}"
                 if rank != global_rank and self.store.check([key]):
                     found.append(self.store.get(key).decode())
@@ -215,18 +216,25 @@ def gather_through_store(notes: FailureNotes, global_rank: int, value: object, w
         pause = 0.001
         # Polled with check, not waited for in slices: a TCPStore logs two warnings at each wait that times out.
         while not store.check(keys):
-            reasons = notes.reasons(global_rank)
-            if reasons:
-                raise PeerFailedError(f"rank {global_rank}: {what}: {reasons}")
+            if notes.any():
+                # Only the ranks yet to give theirs: one that gave it and failed later (in its first step, while
+                # this rank is still building) is heard of where this rank next waits on it.
+                reasons = notes.reasons(global_rank, among=_missing(store, keys))
+                if reasons:
+                    raise PeerFailedError(f"rank {global_rank}: {what}: {reasons}")
             if time.monotonic() >= deadline:
-                missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
-                raise TimeoutError(f"rank {global_rank}: {what}: ranks {missing} gave theirs not within {timeout:g} s")
+                raise TimeoutError(f"rank {global_rank}: {what}: ranks {_missing(store, keys)} gave theirs not "
+                                   f"within {timeout:g} s")
             time.sleep(pause)
             pause = min(2 * pause, POLL_SECONDS)
         return [pickle.loads(store.get(key)) for key in keys]
     except dist.DistNetworkError as error:
         raise PeerDiedError(f"rank {global_rank}: {what}: the process hosting torch.distributed's store died "
                             f"({' '.join(str(error).split())[:200]})") from None
+
+
+def _missing(store: dist.Store, keys: list[str]) -> list[int]:
+    return [rank for rank, key in enumerate(keys) if not store.check([key])]
 
 
 def _peer_error(what: str, error: RuntimeError, notes: FailureNotes | None, global_rank: int) -> Exception:
