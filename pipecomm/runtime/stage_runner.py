@@ -204,23 +204,30 @@ class EagerStage:
         held.outputs = held.output_grads = None
         held.inputs, held.callers = [], []
         wanted = [tensor for tensor in inputs if tensor.requires_grad]
-        # Where Linear layers defer, their weight aliases are leaves too: only the sink's parameters are asked for.
+        params = [p for p in self.sink.params if p.requires_grad]
+        # Autograd accumulates into .grad itself where it may: the sums ``add`` makes, and a parameter's first
+        # gradient of the step becomes its .grad, where handing it back and adding it copied it (an embedding's
+        # gradient held twice at that moment).
         if self.sink.autograd_accumulates and self.weight_grad_store is None:
-            # Into every leaf, the caller's graph behind ``callers`` included, as loss.backward() goes.
-            run_backward(outputs, grads, (), keep_graph=False, accumulate=True)
-            input_grads = [_take_grad(tensor) for tensor in wanted]
+            leaves = ()  # every leaf, the caller's graph behind ``callers`` included, as loss.backward() goes
+        elif self.sink.autograd_accumulates and not callers and all(tensor.is_leaf for tensor in wanted):
+            leaves = wanted + params  # not the deferring Linears' weight aliases, leaves too, whose gradients W makes
         else:
-            params = [p for p in self.sink.params if p.requires_grad]
-            try:
+            leaves = None
+        try:
+            if leaves is not None:
+                run_backward(outputs, grads, leaves, keep_graph=False, accumulate=True)
+                input_grads = [_take_grad(tensor) for tensor in wanted]
+            else:
                 results = run_backward(outputs, grads, wanted + params + callers, keep_graph=False)
-            except RuntimeError as error:
-                if "use_reentrant=True" not in str(error):
-                    raise
-                raise RuntimeError(self._reentrant_checkpoint()) from error
-            input_grads = results[: len(wanted)]
-            self.sink.add(results[len(wanted):len(wanted) + len(params)], params)
-            if callers:
-                run_backward(callers, results[len(wanted) + len(params):], (), keep_graph=False, accumulate=True)
+                input_grads = results[: len(wanted)]
+                self.sink.add(results[len(wanted):len(wanted) + len(params)], params)
+                if callers:
+                    run_backward(callers, results[len(wanted) + len(params):], (), keep_graph=False, accumulate=True)
+        except RuntimeError as error:
+            if "use_reentrant=True" not in str(error):
+                raise
+            raise RuntimeError(self._reentrant_checkpoint()) from error
         if self.index > 0:  # the first stage's inputs are data
             remaining = iter(input_grads)
             held.input_grads = tuple(next(remaining) if tensor.requires_grad else None for tensor in inputs)
@@ -270,7 +277,8 @@ def _take_grad(tensor: torch.Tensor) -> torch.Tensor | None:
 def run_backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor],
                  keep_graph: bool, accumulate: bool = False) -> tuple:
     """Gradients of ``outputs`` w.r.t. ``inputs``, returned without accumulating into ``.grad``; or, with
-    ``accumulate`` (and no ``inputs``), accumulated into every leaf's ``.grad`` as ``loss.backward()`` does.
+    ``accumulate``, accumulated into the ``.grad`` of ``inputs`` alone, or without them of every leaf, as
+    ``loss.backward()`` does.
 
     Goes to the autograd engine directly, as Megatron does, because the outputs' storage was freed
     after they were sent and torch.autograd.grad would reject their placeholder shapes. An output
