@@ -303,8 +303,7 @@ def built_differently(rank: int, world_size: int) -> list[str]:
 def test_ranks_built_for_different_schedules_fail_at_once_saying_what_differs(tmp_path):
     first, last = run_ranks(2, built_differently, tmp_path, timeout=120)
     assert "'1f1b'" in first[0] and "but the last stage's rank (pipeline rank 1) for schedule 'gpipe'" in first[0]
-    assert "4 micro-batches" in first[1] and "for schedule '1f1b' (2 stages on 2 ranks, placement [0, 1], 8 micro" \
-        in first[1]
+    assert "4 micro-batches" in first[1] and "8 micro-batches" in first[1] and first[1].count("'1f1b'") == 2
     assert all("another rank for something else" in message for message in last)
 
 

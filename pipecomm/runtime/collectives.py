@@ -227,5 +227,6 @@ _BUILT_FOR_BYTES = 512  # ``check_built_alike``'s message: a description, the ac
 def _built_for(schedule: Schedule) -> str:
     """What ranks must agree on, said, with a digest of every rank's actions (a Schedule built by hand, too)."""
     digest = hashlib.sha256(repr(schedule.actions).encode()).hexdigest()[:12]
-    return (f"schedule {schedule.name!r} ({schedule.num_stages} stages on {schedule.num_ranks} ranks, placement "
-            f"{list(schedule.placement)}, {schedule.micro_batches} micro-batches, actions {digest})")
+    # The digest before the placement, which may be long: what does not fit the message is cut from its end.
+    return (f"schedule {schedule.name!r} (actions {digest}, {schedule.num_stages} stages on {schedule.num_ranks} "
+            f"ranks, {schedule.micro_batches} micro-batches, placement {list(schedule.placement)})")
