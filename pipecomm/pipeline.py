@@ -297,6 +297,7 @@ class Pipeline:
         if self.calls.closed:
             return
         self.calls.closed = True
+        self.calls.closing()  # before the channels close, for a peer that meets them closed to say why
         fail_fast.untrack(self)
         if self._prepared:
             self._prepared.restore()

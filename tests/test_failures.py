@@ -21,6 +21,7 @@ from ranks import run_ranks
 
 import pipecomm
 from pipecomm.runtime import failure
+from pipecomm.transport.channel import ChannelError
 
 HIDDEN = 8
 BOUND_SECONDS = 5.0  # every rank must raise this soon after the fault; the Pipelines' timeout is 60 s
@@ -399,6 +400,25 @@ def test_a_peer_that_fails_late_in_building_its_pipeline_ends_the_others_at_once
     assert "the shared parameters' holders" in text and seconds < BOUND_SECONDS, (text, seconds)
 
 
+def closes_after_one_step(rank: int, world_size: int) -> str:
+    """Rank 0 closes its Pipeline after one step while rank 1 goes on to a second: what rank 1 raised."""
+    pipe = make_pipe(rank, world_size)
+    x, y = data()
+    pipe.step(x, target=y)
+    if rank == 0:
+        pipe.close()
+        return ""
+    with pytest.raises(ChannelError) as error:
+        pipe.step(x, target=y)
+    return str(error.value)
+
+
+def test_a_peer_that_closed_its_pipeline_is_named_with_the_calls_it_made(tmp_path):
+    _, text = run_ranks(2, closes_after_one_step, tmp_path)
+    assert "peer rank 0 closed the channel" in text
+    assert "(rank 0 (pipeline rank 0) closed its Pipeline after 1 step; every rank must make the same calls" in text
+
+
 def test_a_peer_hears_which_action_of_which_micro_batch_failed(tmp_path):
     """A compute action's error carries where it came from (a note on the failing rank), and the peers get it too."""
     _, _, text, _ = run_case("loss raises (peer waits on shm)", tmp_path)[0]
@@ -550,6 +570,7 @@ import torch, torch.distributed as dist
 from torch import nn
 import pipecomm
 from pipecomm.runtime import failure
+from pipecomm.transport.channel import ChannelError
 
 context = pipecomm.init()
 torch.manual_seed(0)

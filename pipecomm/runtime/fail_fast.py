@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import sys
 import threading
@@ -33,6 +34,7 @@ class CallProtocol:
         self.notes = FailureNotes(ranks=ranks)  # the global ranks it works with (None: the whole job)
         self.failed: str | None = None  # the failure that closed the Pipeline
         self.closed = False
+        self.completed: collections.Counter[str] = collections.Counter()  # calls that returned, by name
 
     @contextlib.contextmanager
     def call(self, action: str, look_up_failures: bool = False) -> Iterator[None]:
@@ -55,6 +57,7 @@ class CallProtocol:
                 if reasons:
                     raise PeerFailedError(f"pipeline rank {self.pipeline_rank}: cannot {action}: {reasons}")
                 yield
+            self.completed[action] += 1
         finally:
             if not busy:
                 _calls.leave()
@@ -79,7 +82,11 @@ class CallProtocol:
         symptom = isinstance(error, (ChannelError, TimeoutError, PeerFailedError))
         reasons = self.notes.reasons(self.global_rank) if symptom else ""
         explained = error
-        if reasons and not isinstance(error, PeerFailedError):
+        closed = self.notes.closed(self.global_rank) if isinstance(error, ChannelError) and not reasons else ""
+        if closed:
+            # A peer closed its Pipeline while this rank still called: the channel's error says only that it closed.
+            explained = type(error)(f"{error} ({closed}; every rank must make the same calls, then close)")
+        elif reasons and not isinstance(error, PeerFailedError):
             # A channel's error may already hold the reason (a peer's abort carries it): said once.
             explained = PeerFailedError(str(error) if reasons in str(error) else f"{error} ({reasons})")
         elif isinstance(error, ChannelError) and _PEER_ABORTED in str(error):
@@ -93,6 +100,13 @@ class CallProtocol:
         self.closed = True
         self.abort(_shortened(reasons or own))  # the original cause first: the shm and IPC channels carry 240 bytes
         return explained
+
+    def closing(self) -> None:
+        """The Pipeline is closed: said in the store (not as a failure), for a peer that still calls and meets the
+        closed channels to say why."""
+        made = ", ".join(f"{count} {action}" for action, count in sorted(self.completed.items())) or "no calls"
+        self.notes.publish_closed(self.global_rank, f"rank {self.global_rank} (pipeline rank {self.pipeline_rank}) "
+                                                    f"closed its Pipeline after {made}")
 
     def exiting(self) -> None:
         """The process exits with the Pipeline open, outside its calls (the program's end, or sys.exit, which no

@@ -62,6 +62,19 @@ class FailureNotes:
             return False
         return True
 
+    def publish_closed(self, global_rank: int, text: str) -> None:
+        """Records that this rank closed its Pipeline: not a failure, so no wait stops for it (``closed`` reads it)."""
+        if self.store is None:
+            return
+        try:
+            self.store.set(f"{self.prefix}/closed/{global_rank}", text)
+        except Exception:  # noqa: BLE001 - the store's host is gone: nothing to say it to
+            pass
+
+    def closed(self, global_rank: int) -> str:
+        """What the other ranks that closed their Pipelines said (``publish_closed``); empty if none did."""
+        return self._read("closed", global_rank, self.ranks)
+
     def any(self) -> bool:
         if self.store is None:
             return False
@@ -75,10 +88,16 @@ class FailureNotes:
         ...'; empty if none did."""
         if not self.any():
             return ""
+        return self._read("failed", global_rank, self.ranks if among is None else among)
+
+    def _read(self, kind: str, global_rank: int, ranks: Sequence[int]) -> str:
+        """The notes of ``kind`` that ``ranks`` but this one left, joined."""
+        if self.store is None:
+            return ""
         found = []
         try:
-            for rank in self.ranks if among is None else among:
-                key = f"{self.prefix}/failed/{rank}"
+            for rank in ranks:
+                key = f"{self.prefix}/{kind}/{rank}"
                 if rank != global_rank and self.store.check([key]):
                     found.append(self.store.get(key).decode())
         except Exception:  # noqa: BLE001 - report what could be read
