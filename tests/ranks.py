@@ -144,7 +144,7 @@ def run_ranks(world_size: int, fn: Callable, tmp_path: Path, *args, timeout: flo
                     raise AssertionError(f"ranks {hung} gave no result within {timeout:g} s (hang?)") from None
                 continue
             if status == "error":
-                raise AssertionError(f"rank {rank} failed:\n{payload}" if rank >= 0 else payload)
+                raise AssertionError(_failures(rank, payload, results))
             if status == "exited":
                 if rank not in may_exit:
                     raise AssertionError(f"rank {rank} exited with code {payload} without a result")
@@ -161,6 +161,23 @@ def run_ranks(world_size: int, fn: Callable, tmp_path: Path, *args, timeout: flo
                         os.killpg(process.pid, signal.SIGKILL)  # the ranks it forked too
                 process.kill()
     return [outcomes[rank] for rank in range(world_size)]
+
+
+def _failures(rank: int, payload: str, results, patience: float = 2.0) -> str:
+    """The first failure reported and those other ranks report within ``patience`` seconds, the ranks' own errors
+    before their reports of a peer's (PeerFailedError, PeerDiedError), which may come in first: a GPU flake's cause
+    was seen only as the peer's report of it."""
+    failed = [(rank, payload)]
+    until = time.monotonic() + patience
+    while time.monotonic() < until:
+        try:
+            other, status, text = results.get(timeout=max(0.01, until - time.monotonic()))
+        except queue.Empty:
+            break
+        if status == "error":
+            failed.append((other, text))
+    failed.sort(key=lambda entry: "PeerFailedError" in entry[1] or "PeerDiedError" in entry[1])
+    return "\n".join(f"rank {other} failed:\n{text}" if other >= 0 else text for other, text in failed)
 
 
 def _fork_ranks(world_size: int, store_path: str | int, process_group: str, results, fn, args, prepare) -> None:

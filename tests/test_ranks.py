@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from ranks import run_ranks
 
+import pipecomm
+
 _LEFT_BEHIND: list[int] = []  # a module global a test's rank sets: the next test's ranks must not see it
 
 
@@ -52,6 +54,19 @@ def test_a_failing_rank_is_named_with_its_traceback_and_the_next_test_runs(tmp_p
     with pytest.raises(AssertionError, match=r"rank 1 failed:\n(.|\n)*in fail_on_rank_one(.|\n)*rank 1 fails on purpose"):
         run_ranks(2, fail_on_rank_one, tmp_path)
     assert run_ranks(2, report_rank, tmp_path) == [(rank, 2, 2, 1, True) for rank in range(2)]
+
+
+def fail_then_report(rank: int, world_size: int) -> str:
+    """Rank 1 reports its peer's failure at once; rank 0, whose own error it is, a moment later."""
+    if rank == 1:
+        raise pipecomm.PeerFailedError("rank 0 failed in step: the cause")
+    time.sleep(0.3)
+    raise ValueError("the cause")
+
+
+def test_the_rank_whose_own_error_it_is_comes_first_though_reported_later(tmp_path):
+    with pytest.raises(AssertionError, match=r"^rank 0 failed:\n(.|\n)*ValueError: the cause(.|\n)*rank 1 failed"):
+        run_ranks(2, fail_then_report, tmp_path)
 
 
 def test_a_hanging_rank_fails_the_test_and_the_next_test_runs(tmp_path):
