@@ -416,7 +416,7 @@ def closes_after_one_step(rank: int, world_size: int) -> str:
 def test_a_peer_that_closed_its_pipeline_is_named_with_the_calls_it_made(tmp_path):
     _, text = run_ranks(2, closes_after_one_step, tmp_path)
     assert "peer rank 0 closed the channel" in text
-    assert "(rank 0 (pipeline rank 0) closed its Pipeline after 1 step; every rank must make the same calls" in text
+    assert "(rank 0 (pipeline rank 0) closed its Pipeline after 1 call of step; every rank must make the same calls" in text
 
 
 def test_a_peer_hears_which_action_of_which_micro_batch_failed(tmp_path):

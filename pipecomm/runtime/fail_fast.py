@@ -104,7 +104,8 @@ class CallProtocol:
     def closing(self) -> None:
         """The Pipeline is closed: said in the store (not as a failure), for a peer that still calls and meets the
         closed channels to say why."""
-        made = ", ".join(f"{count} {action}" for action, count in sorted(self.completed.items())) or "no calls"
+        made = ", ".join(f"{count} call{'s' * (count != 1)} of {action}"
+                         for action, count in sorted(self.completed.items())) or "no calls"
         self.notes.publish_closed(self.global_rank, f"rank {self.global_rank} (pipeline rank {self.pipeline_rank}) "
                                                     f"closed its Pipeline after {made}")
 
