@@ -20,7 +20,7 @@ from pipecomm.schedules.schedule import Action, Schedule, forward_schedule
 from pipecomm.schedules.validation import validate
 from pipecomm.runtime.split_backward import WeightGradStore
 from pipecomm.runtime.rank_graphs import RankGraphs
-from pipecomm.runtime.graph_runner import GraphRunner, make_runner
+from pipecomm.runtime.graph_runner import GraphRunner, make_runner, reclaim_graph_memory
 from pipecomm.runtime.stage_runner import EagerStage
 from pipecomm.runtime.stage_transfers import StageTransfers
 from pipecomm.transport.channel import Channel
@@ -91,10 +91,12 @@ class StageExecutor:
 
     def release_graphs(self) -> None:
         """Every graphed stage's graphs and their memory let go now (the Pipeline closes), not when a collection finds
-        them: until then their pools hold memory that nothing else can use."""
-        for runner in self.stages.values():
-            if isinstance(runner, GraphRunner):
-                runner.drop_graphs()
+        them: until then their pools hold memory that nothing else can use. Reclaimed once: a rank's stages share
+        one pool, which only the last one dropped frees."""
+        graphed = [runner for runner in self.stages.values() if isinstance(runner, GraphRunner)]
+        dropped = [runner.drop_graphs(reclaim=False) for runner in graphed]
+        if any(dropped):
+            reclaim_graph_memory()
 
     def graph_states(self) -> dict[int, str]:
         """Each stage's CUDA graphs: ``GraphRunner.state``, or "eager" where the stage never captures."""

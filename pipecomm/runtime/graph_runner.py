@@ -257,21 +257,21 @@ class GraphRunner(EagerStage):
                     f"and the device has {left / 1e9:.3g} GB left")
         return None
 
-    def drop_graphs(self) -> None:
-        """The graphs and their memory let go; the watch starts again."""
+    def drop_graphs(self, reclaim: bool = True) -> bool:
+        """The graphs let go, and their memory with ``reclaim`` (without, the caller reclaims once for several stages:
+        ``reclaim_graph_memory``); the watch starts again. Returns whether there were graphs to let go."""
         attempted = self.graphed is not None
         if attempted:
             self.rank_graphs.leave(self.graphed)
         self.graphed = None
         if attempted:
             self.accumulators.release(self.index)
-            # What held the graphs may sit in reference cycles: collected now, their pool's memory comes back at once,
-            # and they are not destroyed inside a later capture (graph_capture.capture_into).
-            gc.collect()
-            torch.cuda.empty_cache()  # a dropped graph's private pool stays cached, out of other allocations' reach
+            if reclaim:
+                reclaim_graph_memory()
         self._steps_unfit = 0
         self._watch, self._timer, self._trial = ShapeWatch(), PassTimer(), False
         self._outputs_loan, self._input_grads_loan = _loans()  # the next graphs' buffers are new
+        return attempted
 
     def _give_up(self, reason: str) -> None:
         self.drop_graphs()
@@ -400,6 +400,14 @@ class GraphRunner(EagerStage):
         weight_grads = self.graphed.backward_weights(micro_batch)
         if weight_grads is not None:
             self.sink.add(weight_grads)
+
+
+def reclaim_graph_memory() -> None:
+    """Dropped graphs' memory back at once: what held them may sit in reference cycles, collected now (and so not
+    destroyed inside a later capture: ``graph_capture.capture_into``), and their private pool, which stays cached out
+    of other allocations' reach, emptied."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _loans() -> tuple[LandingLoan, LandingLoan]:
